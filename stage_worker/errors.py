@@ -1,0 +1,5 @@
+"""Errors a user can act on. Their message is one line that names the file or thing at fault."""
+
+
+class ModelLoadError(Exception):
+    """A model folder or file cannot be served (missing file, unsupported architecture, corrupt data)."""

@@ -1,1 +1,8 @@
+"""Wire contract between hosts. `cluster_pb2` is generated from cluster.proto (see tests/test_proto.py)."""
 
+from metal_cluster.proto import cluster_pb2 as pb
+
+# Peers with another version are refused: a Step's meaning must not drift silently between hosts.
+PROTO_VERSION = 1
+
+__all__ = ["pb", "PROTO_VERSION"]

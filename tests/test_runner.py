@@ -1,0 +1,136 @@
+"""The stage runner against mlx-lm's own generation: greedy tokens must match exactly (float32)."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import load
+
+from metal_cluster.stage_worker.model_source import resolve_model
+from metal_cluster.stage_worker.paged_kv import KVPool
+from metal_cluster.stage_worker.runner import StageRunner
+from metal_cluster.stage_worker.shard import load_shard
+from scheduler_double import SchedulerDouble, mlx_lm_greedy
+
+BLOCK_SIZE = 8
+NUM_BLOCKS = 96
+PROMPTS = [
+    "Hello world, this is a test",
+    "Another prompt that is quite a bit longer than the first one, with commas, and more words",
+    "Short",
+    "The quick brown fox jumps over the lazy dog again and again",
+    "Numbers 12345 and 67890",
+    "A",
+    "Pipeline stages overlap instead of idling while the other stage works on its own batch",
+    "Tea or coffee?",
+]
+
+
+def make_runner(source, start=0, end=None, num_blocks=NUM_BLOCKS):
+    shard = load_shard(source, start, end)
+    cfg = source.config
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    pool = KVPool.allocate(len(shard.layers), num_blocks, BLOCK_SIZE, cfg["num_key_value_heads"], head_dim)
+    return StageRunner(shard, pool)
+
+
+@pytest.fixture(scope="module")
+def family(tiny_model):
+    ref_model, tokenizer = load(str(tiny_model))
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    return resolve_model(tiny_model), ref_model, prompts
+
+
+def scheduler(runner, **kw):
+    return SchedulerDouble(lambda step: runner.step(step).sampled, NUM_BLOCKS, BLOCK_SIZE, **kw)
+
+
+def test_one_request(family):
+    source, ref_model, prompts = family
+    sched = scheduler(make_runner(source))
+    sched.add("a", prompts[1], 16)
+    assert sched.run()["a"] == mlx_lm_greedy(ref_model, prompts[1], 16)
+
+
+def test_eight_requests_packed_in_one_batch(family):
+    source, ref_model, prompts = family
+    runner = make_runner(source)
+    sched = scheduler(runner)
+    for i, p in enumerate(prompts):
+        sched.add(f"r{i}", p, 10)
+    first_step, _ = sched.step()
+    assert len(first_step.scheduled) == 8  # all prefills went through one forward pass
+    out = sched.run()
+    for i, p in enumerate(prompts):
+        assert out[f"r{i}"] == mlx_lm_greedy(ref_model, p, 10), f"request {i}"
+    assert len(runner.table) == 0  # finished requests leave nothing behind on the next step
+
+
+def test_chunked_prefill_mixed_with_decodes(family):
+    source, ref_model, prompts = family
+    sched = scheduler(make_runner(source), chunk_size=7)
+    for i in (0, 1, 3):
+        sched.add(f"r{i}", prompts[i], 12)
+    out = sched.run()
+    for i in (0, 1, 3):
+        assert out[f"r{i}"] == mlx_lm_greedy(ref_model, prompts[i], 12)
+
+
+def test_shared_prefix_blocks(family):
+    source, ref_model, prompts = family
+    runner = make_runner(source)
+    sched = scheduler(runner)
+    prefix = prompts[1][: 2 * BLOCK_SIZE]
+    first = sched.add("first", prompts[1], 6)
+    sched.step()  # computes the whole prompt of "first"
+    second_prompt = prefix + prompts[4]
+    # A prefix-cache hit: the second request starts with two full blocks of the first.
+    second = sched.add("second", second_prompt, 8, shared_blocks=first.block_ids[:2], num_computed=2 * BLOCK_SIZE)
+    out = sched.run()
+    assert second.block_ids[:2] == first.block_ids[:2]
+    assert out["first"] == mlx_lm_greedy(ref_model, prompts[1], 6)
+    assert out["second"] == mlx_lm_greedy(ref_model, second_prompt, 8)
+
+
+def test_preempted_and_resumed(family):
+    source, ref_model, prompts = family
+    runner = make_runner(source)
+    sched = scheduler(runner)
+    sched.add("a", prompts[3], 14)
+    sched.add("b", prompts[6], 14)
+    for _ in range(5):
+        sched.step()
+    old_blocks = list(sched.reqs["a"].block_ids)
+    sched.preempt("a")
+    # Another request takes the freed blocks and overwrites them before "a" comes back.
+    sched.add("c", prompts[1], 3)
+    sched.reqs["a"] = sched.reqs.pop("a")  # like vLLM: running requests first, then the resumed one
+    sched.run()
+    assert set(old_blocks) & set(sched.reqs["c"].block_ids)
+    out = {r.req_id: r.output for r in sched.reqs.values()}
+    assert out["a"] == mlx_lm_greedy(ref_model, prompts[3], 14)
+    assert out["b"] == mlx_lm_greedy(ref_model, prompts[6], 14)
+
+
+def test_split_run_equals_full_model(llama_model):
+    source = resolve_model(llama_model)
+    full = make_runner(source)
+    head, tail = make_runner(source, 0, 2), make_runner(source, 2)
+    ref_model, tokenizer = load(str(llama_model))
+    step = SchedulerDouble(lambda s: {}, NUM_BLOCKS, BLOCK_SIZE)
+    step.add("x", tokenizer.encode(PROMPTS[1]), 1)
+    step.add("y", tokenizer.encode(PROMPTS[3]), 1)
+    request, _ = step.step()
+
+    def logits_of(runner, hidden):
+        captured = {}
+        original = runner.shard.logits
+        runner.shard.logits = lambda h: captured.setdefault("logits", original(h))
+        runner.step(request, hidden)
+        runner.shard.logits = original
+        return captured["logits"]
+
+    full_logits = logits_of(full, None)
+    handed_over = head.step(request).hidden
+    assert head.shard.is_first and not head.shard.is_last and not tail.shard.is_first
+    split_logits = logits_of(tail, handed_over)
+    assert split_logits.shape == full_logits.shape
+    assert mx.array_equal(split_logits, full_logits)

@@ -82,7 +82,8 @@ def architecture(metadata: dict, source: str | Path = "GGUF") -> str:
     arch = metadata.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ModelLoadError(
-            f"{source}: unsupported GGUF architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}"
+            f"{source}: unsupported GGUF architecture {arch!r}; "
+            f"supported: {', '.join(ARCHITECTURES)}"
         )
     return arch
 
@@ -134,9 +135,10 @@ def hf_config(metadata: dict, tensor_names: Iterable[str]) -> dict:
     }
     scaling = get("rope.scaling.type")
     if scaling and scaling != "none":
-        config["rope_scaling"] = {"type": scaling, "rope_type": scaling, "factor": get("rope.scaling.factor")}
-        if get("rope.scaling.original_context_length"):
-            config["rope_scaling"]["original_max_position_embeddings"] = get("rope.scaling.original_context_length")
+        config["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor")}
+        original = get("rope.scaling.original_context_length")
+        if original:
+            config["rope_scaling"]["original_max_position_embeddings"] = original
     for name in ("bos", "eos"):
         if f"tokenizer.ggml.{name}_token_id" in metadata:
             config[f"{name}_token_id"] = _py(metadata[f"tokenizer.ggml.{name}_token_id"])
@@ -160,15 +162,22 @@ def _pre_tokenizer(pre: str):
     from tokenizers import Regex, pre_tokenizers as pt
 
     if pre == "smollm":  # SmolLM/SmolLM2: every digit on its own, then GPT-2's byte-level split
-        return pt.Sequence([pt.Digits(individual_digits=True), pt.ByteLevel(add_prefix_space=False, use_regex=True)])
+        return pt.Sequence(
+            [pt.Digits(individual_digits=True), pt.ByteLevel(add_prefix_space=False, use_regex=True)]
+        )
     if pre == "gpt2":
         return pt.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in ("qwen2", "llama-bpe"):
         regex = Regex(_QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT)
         return pt.Sequence(
-            [pt.Split(regex, behavior="isolated"), pt.ByteLevel(add_prefix_space=False, use_regex=False)]
+            [
+                pt.Split(regex, behavior="isolated"),
+                pt.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
         )
-    raise ModelLoadError(f"unsupported GGUF tokenizer pre-tokenizer {pre!r}; supported: smollm, gpt2, qwen2, llama-bpe")
+    raise ModelLoadError(
+        f"unsupported GGUF tokenizer pre-tokenizer {pre!r}; supported: smollm, gpt2, qwen2, llama-bpe"
+    )
 
 
 def _token(metadata: dict, name: str) -> str | None:
@@ -183,9 +192,12 @@ def _tokenizer_json(metadata: dict) -> str:
 
     kind = metadata.get("tokenizer.ggml.model")
     if kind != "gpt2":
-        raise ModelLoadError(f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE)")
+        raise ModelLoadError(
+            f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE)"
+        )
     tokens = metadata["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]  # "Ġ t" -> ("Ġ", "t")
+    # Merges are stored as "Ġ t" strings; the BPE model wants ("Ġ", "t") pairs.
+    merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
     tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges))
     pre = metadata.get("tokenizer.ggml.pre", "gpt2")
     tokenizer.pre_tokenizer = _pre_tokenizer(pre)
@@ -193,16 +205,19 @@ def _tokenizer_json(metadata: dict) -> str:
         tokenizer.normalizer = normalizers.NFC()
     tokenizer.decoder = decoders.ByteLevel()
     if _py(metadata.get("tokenizer.ggml.add_bos_token", False)) and _token(metadata, "bos"):
-        bos = _token(metadata, "bos")
+        # Models that want a BOS in front of every prompt (Llama 3) get it from a post-processor,
+        # as in their HF tokenizer.json. SmolLM2 says false: its chat template adds <|im_start|>.
+        bos, bos_id = _token(metadata, "bos"), _py(metadata["tokenizer.ggml.bos_token_id"])
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, tokens.index(bos))]
+            single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
         )
     # Control tokens (<|im_start|>, ...) and user-defined ones are added tokens: matched whole in
     # the raw text before BPE runs, so they always encode to their single id.
     types = _py(metadata.get("tokenizer.ggml.token_type", []))
-    added = lambda t, special: AddedToken(t, special=special, normalized=False)  # noqa: E731
-    tokenizer.add_special_tokens([added(tokens[i], True) for i, t in enumerate(types) if t == _CONTROL])
-    tokenizer.add_tokens([added(tokens[i], False) for i, t in enumerate(types) if t == _USER_DEFINED])
+    control = [tokens[i] for i, t in enumerate(types) if t == _CONTROL]
+    user_defined = [tokens[i] for i, t in enumerate(types) if t == _USER_DEFINED]
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in user_defined])
     return tokenizer.to_str(pretty=True)
 
 
@@ -259,11 +274,15 @@ def prepare_gguf_folder(gguf_path: str | Path, cache_root: str | Path) -> Path:
         return folder
 
     tensors, metadata = read_gguf(path)
-    files = {
-        "config.json": json.dumps(hf_config(metadata, tensors), indent=2),
-        **tokenizer_files(metadata),
-        "gguf_source.json": json.dumps({"gguf": str(path)}, indent=2),
-    }
+    try:
+        files = {
+            "config.json": json.dumps(hf_config(metadata, tensors), indent=2),
+            **tokenizer_files(metadata),
+            "gguf_source.json": json.dumps({"gguf": str(path)}, indent=2),
+        }
+    except ModelLoadError as e:  # hf_config/tokenizer_files do not know the file: name it
+        raise ModelLoadError(f"{path}: {e}") from None
+    del tensors  # only the names were needed; free the weights before writing
     # Write into a temporary sibling, then rename: a reader never sees a half-written folder,
     # and two processes preparing the same file at once both end up with one good folder.
     cache_root.mkdir(parents=True, exist_ok=True)
@@ -339,9 +358,10 @@ def _dequantize(w: mx.array, scales: mx.array, biases: mx.array) -> mx.array:
     """A GGUF quantized triple as float32.
 
     scales/biases go to float32 first: mx.dequantize returns the scales' dtype, and float16
-    output rounds Q8_0 values (up to 127 * scale) by as much as 1/16.
+    output would round Q8_0 values (up to 128 x scale) to 11 significant bits; in float32 the
+    result is exact.
     """
-    bits = w.shape[-1] // scales.shape[-1]  # 32-bit words per group: a group is 32 values
+    bits = w.shape[-1] // scales.shape[-1]  # a group of 32 values packs into `bits` uint32 words
     return mx.dequantize(
         w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=_GROUP_SIZE, bits=bits
     )

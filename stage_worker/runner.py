@@ -60,3 +60,10 @@ class StageRunner:
         for i, layer in enumerate(self.shard.layers):
             h = layer(h, None, LayerContext(batch, self.pool, i))
         return h[0]
+
+
+def to_response(out: StageOutput) -> pb.StepResponse:
+    response = pb.StepResponse(step_id=out.step_id)
+    for req_id, token in out.sampled.items():
+        response.sampled.append(pb.SampledToken(req_id=req_id, token_id=token))
+    return response

@@ -1,0 +1,3 @@
+from metal_cluster.coordinator.cli import app
+
+app(prog_name="metal-cluster")

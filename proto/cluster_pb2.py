@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcluster.proto\x12\x10metal_cluster.v1\"\xd1\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x10\n\x08logprobs\x18\t \x01(\x05\x42\x07\n\x05_seed\"\x9a\x01\n\nNewRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x05\x12\x32\n\x08sampling\x18\x05 \x01(\x0b\x32 .metal_cluster.v1.SamplingParams\"\x8e\x01\n\rCachedRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x0f\n\x07resumed\x18\x02 \x01(\x08\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x05\x12\x15\n\rnew_token_ids\x18\x05 \x03(\x05\x12\x15\n\rall_token_ids\x18\x06 \x03(\x05\"5\n\x0fScheduledTokens\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\xd2\x02\n\x0bStepRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x32\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x1c.metal_cluster.v1.NewRequest\x12\x38\n\x0f\x63\x61\x63hed_requests\x18\x04 \x03(\x0b\x32\x1f.metal_cluster.v1.CachedRequest\x12\x34\n\tscheduled\x18\x05 \x03(\x0b\x32!.metal_cluster.v1.ScheduledTokens\x12\x18\n\x10\x66inished_req_ids\x18\x06 \x03(\t\x12\x31\n\x0c\x62lock_copies\x18\x07 \x03(\x0b\x32\x1b.metal_cluster.v1.BlockCopy\x12\x17\n\x0fgrammar_req_ids\x18\x08 \x03(\t\x12\x17\n\x0fgrammar_bitmask\x18\t \x01(\x0c\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"{\n\x0cSampledToken\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12*\n\x03top\x18\x05 \x01(\x0b\x32\x1d.metal_cluster.v1.TopLogprobs\"P\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x07sampled\x18\x02 \x03(\x0b\x32\x1e.metal_cluster.v1.SampledTokenb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcluster.proto\x12\x10metal_cluster.v1\"\xe3\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\x9a\x01\n\nNewRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x05\x12\x32\n\x08sampling\x18\x05 \x01(\x0b\x32 .metal_cluster.v1.SamplingParams\"\x8e\x01\n\rCachedRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x0f\n\x07resumed\x18\x02 \x01(\x08\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x05\x12\x15\n\rnew_token_ids\x18\x05 \x03(\x05\x12\x15\n\rall_token_ids\x18\x06 \x03(\x05\"5\n\x0fScheduledTokens\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\xd2\x02\n\x0bStepRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x32\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x1c.metal_cluster.v1.NewRequest\x12\x38\n\x0f\x63\x61\x63hed_requests\x18\x04 \x03(\x0b\x32\x1f.metal_cluster.v1.CachedRequest\x12\x34\n\tscheduled\x18\x05 \x03(\x0b\x32!.metal_cluster.v1.ScheduledTokens\x12\x18\n\x10\x66inished_req_ids\x18\x06 \x03(\t\x12\x31\n\x0c\x62lock_copies\x18\x07 \x03(\x0b\x32\x1b.metal_cluster.v1.BlockCopy\x12\x17\n\x0fgrammar_req_ids\x18\x08 \x03(\t\x12\x17\n\x0fgrammar_bitmask\x18\t \x01(\x0c\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"{\n\x0cSampledToken\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12*\n\x03top\x18\x05 \x01(\x0b\x32\x1d.metal_cluster.v1.TopLogprobs\"P\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x07sampled\x18\x02 \x03(\x0b\x32\x1e.metal_cluster.v1.SampledTokenb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,21 +32,21 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'cluster_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=36
-  _globals['_SAMPLINGPARAMS']._serialized_end=245
-  _globals['_NEWREQUEST']._serialized_start=248
-  _globals['_NEWREQUEST']._serialized_end=402
-  _globals['_CACHEDREQUEST']._serialized_start=405
-  _globals['_CACHEDREQUEST']._serialized_end=547
-  _globals['_SCHEDULEDTOKENS']._serialized_start=549
-  _globals['_SCHEDULEDTOKENS']._serialized_end=602
-  _globals['_BLOCKCOPY']._serialized_start=604
-  _globals['_BLOCKCOPY']._serialized_end=641
-  _globals['_STEPREQUEST']._serialized_start=644
-  _globals['_STEPREQUEST']._serialized_end=982
-  _globals['_TOPLOGPROBS']._serialized_start=984
-  _globals['_TOPLOGPROBS']._serialized_end=1034
-  _globals['_SAMPLEDTOKEN']._serialized_start=1036
-  _globals['_SAMPLEDTOKEN']._serialized_end=1159
-  _globals['_STEPRESPONSE']._serialized_start=1161
-  _globals['_STEPRESPONSE']._serialized_end=1241
+  _globals['_SAMPLINGPARAMS']._serialized_end=263
+  _globals['_NEWREQUEST']._serialized_start=266
+  _globals['_NEWREQUEST']._serialized_end=420
+  _globals['_CACHEDREQUEST']._serialized_start=423
+  _globals['_CACHEDREQUEST']._serialized_end=565
+  _globals['_SCHEDULEDTOKENS']._serialized_start=567
+  _globals['_SCHEDULEDTOKENS']._serialized_end=620
+  _globals['_BLOCKCOPY']._serialized_start=622
+  _globals['_BLOCKCOPY']._serialized_end=659
+  _globals['_STEPREQUEST']._serialized_start=662
+  _globals['_STEPREQUEST']._serialized_end=1000
+  _globals['_TOPLOGPROBS']._serialized_start=1002
+  _globals['_TOPLOGPROBS']._serialized_end=1052
+  _globals['_SAMPLEDTOKEN']._serialized_start=1054
+  _globals['_SAMPLEDTOKEN']._serialized_end=1177
+  _globals['_STEPRESPONSE']._serialized_start=1179
+  _globals['_STEPRESPONSE']._serialized_end=1259
 # @@protoc_insertion_point(module_scope)

@@ -6,6 +6,8 @@ embeds from it, the last stage penalises with it), block table, and how many tok
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from metal_cluster.proto import pb
 
 
@@ -21,6 +23,11 @@ class RequestState:
     block_ids: list[int]
     num_computed_tokens: int
     sampling: pb.SamplingParams = field(default_factory=pb.SamplingParams)
+    rng: np.random.Generator = field(default_factory=np.random.default_rng)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
 
 
 class RequestTable:
@@ -50,6 +57,8 @@ class RequestTable:
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=new.sampling,
+                # A seeded request draws the same tokens wherever and whenever it runs.
+                rng=np.random.default_rng(new.sampling.seed if new.sampling.HasField("seed") else None),
             )
         for cached in step.cached_requests:
             self._update(cached)
@@ -60,12 +69,12 @@ class RequestTable:
     def _update(self, cached: pb.CachedRequest) -> None:
         state = self.requests[cached.req_id]
         if cached.resumed:
-            # Preempted and back: its blocks were freed, so the table and (maybe) history start over.
+            # Preempted and back: its blocks were freed, so the block table starts over.
             state.block_ids = list(cached.block_ids)
-            if cached.all_token_ids:
-                state.token_ids = list(cached.all_token_ids)
         else:
             state.block_ids.extend(cached.block_ids)
+        if cached.all_token_ids:  # the scheduler resynchronises the whole history
+            state.token_ids = list(cached.all_token_ids)
         state.token_ids.extend(cached.new_token_ids)
         state.num_computed_tokens = cached.num_computed_tokens
 

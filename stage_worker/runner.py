@@ -5,13 +5,14 @@ layers over it with paged attention, and either hand the hidden states on or sam
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 
 from metal_cluster.proto import pb
 from metal_cluster.stage_worker.attention import LayerContext
 from metal_cluster.stage_worker.batch import StepBatch, build_batch
 from metal_cluster.stage_worker.paged_kv import KVPool
 from metal_cluster.stage_worker.request_table import RequestTable, StepError
-from metal_cluster.stage_worker.sampler import sample
+from metal_cluster.stage_worker.sampler import Sampled, SampleRow, sample_rows
 from metal_cluster.stage_worker.shard import ModelShard
 
 
@@ -19,7 +20,7 @@ from metal_cluster.stage_worker.shard import ModelShard
 class StageOutput:
     step_id: int
     hidden: mx.array | None = None  # [total_q, hidden] for the next stage (non-last stages)
-    sampled: dict[str, int] = field(default_factory=dict)  # last stage: req_id -> token
+    sampled: dict[str, Sampled] = field(default_factory=dict)  # last stage only
 
 
 class StageRunner:
@@ -43,10 +44,23 @@ class StageRunner:
             out.hidden = hidden
             return out
         if batch.sample_req_ids:
-            logits = self.shard.logits(hidden[batch.logits_rows])
-            params = [self.table[r].sampling for r in batch.sample_req_ids]
-            out.sampled = dict(zip(batch.sample_req_ids, sample(logits, params)))
+            logits = np.array(self.shard.logits(hidden[batch.logits_rows]).astype(mx.float32))
+            rows = self._sample_rows(batch.sample_req_ids, _grammar_rows(step))
+            out.sampled = dict(zip(batch.sample_req_ids, sample_rows(logits, rows)))
         return out
+
+    def _sample_rows(self, req_ids: list[str], grammar: dict[str, np.ndarray]) -> list[SampleRow]:
+        rows = []
+        for req_id in req_ids:
+            state = self.table[req_id]
+            rows.append(SampleRow(
+                params=state.sampling,
+                prompt_ids=state.token_ids[: state.num_prompt_tokens],
+                output_ids=state.output_ids,
+                rng=state.rng,
+                allowed_mask=grammar.get(req_id),
+            ))
+        return rows
 
     def _forward(self, batch: StepBatch, hidden_in: mx.array | None) -> mx.array:
         if self.shard.is_first:
@@ -62,8 +76,19 @@ class StageRunner:
         return h[0]
 
 
+def _grammar_rows(step: pb.StepRequest) -> dict[str, np.ndarray]:
+    if not step.grammar_req_ids:
+        return {}
+    mask = np.frombuffer(step.grammar_bitmask, dtype=np.int32).reshape(len(step.grammar_req_ids), -1)
+    return dict(zip(step.grammar_req_ids, mask))
+
+
 def to_response(out: StageOutput) -> pb.StepResponse:
     response = pb.StepResponse(step_id=out.step_id)
-    for req_id, token in out.sampled.items():
-        response.sampled.append(pb.SampledToken(req_id=req_id, token_id=token))
+    for req_id, s in out.sampled.items():
+        token = pb.SampledToken(req_id=req_id, token_id=s.token_id, logprob=s.logprob, rank=s.rank)
+        if s.top_ids is not None:
+            token.top.token_ids.extend(s.top_ids)
+            token.top.logprobs.extend(s.top_logprobs)
+        response.sampled.append(token)
     return response

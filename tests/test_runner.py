@@ -40,7 +40,7 @@ def family(tiny_model):
 
 
 def scheduler(runner, **kw):
-    return SchedulerDouble(lambda step: runner.step(step).sampled, NUM_BLOCKS, BLOCK_SIZE, **kw)
+    return SchedulerDouble(lambda step: {r: s.token_id for r, s in runner.step(step).sampled.items()}, NUM_BLOCKS, BLOCK_SIZE, **kw)
 
 
 def test_one_request(family):

@@ -1,0 +1,112 @@
+"""vLLM platform plugin: lets vLLM's engine start on a host whose model runs on MLX, not torch.
+
+Active only in processes started by `metal-cluster` (it sets ACTIVATE_ENV), so a plain `vllm`
+on the same machine is left alone. Kept import-light: vLLM resolves it in every process it starts.
+"""
+
+import os
+
+from vllm.platforms.interface import Platform, PlatformEnum
+
+ACTIVATE_ENV = "METAL_CLUSTER_VLLM"
+EXECUTOR = "metal_cluster.coordinator.executor.ClusterExecutor"
+STUB_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+# Request fields the MLX sampler does not implement: refused with a 400 naming them, never ignored.
+UNSUPPORTED_SAMPLING = {
+    "logit_bias": lambda p: bool(p.logit_bias),
+    "allowed_token_ids": lambda p: bool(p.allowed_token_ids),
+    "bad_words": lambda p: bool(p.bad_words),
+    "prompt_logprobs": lambda p: p.prompt_logprobs is not None,
+}
+
+
+def register() -> str | None:
+    if os.environ.get(ACTIVATE_ENV) != "1":
+        return None
+    return "metal_cluster.coordinator.vllm_platform.MetalClusterPlatform"
+
+
+def register_models() -> None:
+    """vLLM insists on resolving the architecture to a class; ours never runs (MLX does the work)."""
+    if os.environ.get(ACTIVATE_ENV) != "1":
+        return
+    from vllm import ModelRegistry
+
+    from metal_cluster.coordinator.vllm_stub_model import MLXExecutedModel
+
+    for arch in STUB_ARCHITECTURES:
+        ModelRegistry.register_model(arch, MLXExecutedModel)
+
+
+def _noop(cls, *args, **kwargs):
+    return None
+
+
+class MetalClusterPlatform(Platform):
+    _enum = PlatformEnum.OOT
+    device_name = "mlx"
+    device_type = "cpu"  # torch only ever sees CPU tensors: the model never runs in torch
+    dispatch_key = "CPU"
+    dist_backend = "gloo"
+    ray_device_key = ""
+    simple_compile_backend = "eager"
+    device_control_env_var = "METAL_CLUSTER_DEVICES"
+
+    import_kernels = classmethod(_noop)
+    import_ir_kernels = classmethod(_noop)
+    set_device = classmethod(_noop)
+    manual_seed_all = classmethod(_noop)
+    check_if_supports_dtype = classmethod(_noop)
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return "mlx"
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        import psutil
+
+        return psutil.virtual_memory().total
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def support_hybrid_kv_cache(cls) -> bool:
+        return False
+
+    @classmethod
+    def get_current_memory_usage(cls, device=None) -> float:
+        return 0.0
+
+    @classmethod
+    def inference_mode(cls):
+        import torch
+
+        return torch.no_grad()
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None) -> str:
+        return "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        from vllm.config import CompilationMode, CUDAGraphMode
+
+        compilation = vllm_config.compilation_config
+        compilation.mode = CompilationMode.NONE
+        compilation.cudagraph_mode = CUDAGraphMode.NONE
+        compilation.cudagraph_capture_sizes = []
+        compilation.max_cudagraph_capture_size = 0
+        parallel = vllm_config.parallel_config
+        if parallel.distributed_executor_backend in (None, "uni", "mp"):
+            parallel.distributed_executor_backend = EXECUTOR
+        vllm_config.scheduler_config.async_scheduling = False
+
+    @classmethod
+    def validate_request(cls, processed_inputs, params) -> None:
+        for name, used in UNSUPPORTED_SAMPLING.items():
+            if used(params):
+                raise ValueError(f"'{name}' is not supported by metal-cluster's sampler; remove it from the request")

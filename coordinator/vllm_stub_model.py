@@ -1,0 +1,18 @@
+"""The class vLLM's model registry resolves for our architectures. It is never called: the cluster
+executor runs the model on MLX. Its methods exist only so vLLM classifies it as a text generator."""
+
+import torch.nn as nn
+
+
+class MLXExecutedModel(nn.Module):
+    def __init__(self, *, vllm_config=None, prefix: str = ""):
+        super().__init__()
+
+    def embed_input_ids(self, input_ids):
+        raise NotImplementedError("metal-cluster runs the model on MLX stages, not in torch")
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        raise NotImplementedError("metal-cluster runs the model on MLX stages, not in torch")
+
+    def compute_logits(self, hidden_states):
+        raise NotImplementedError("metal-cluster runs the model on MLX stages, not in torch")

@@ -20,6 +20,34 @@ def main():
     blas.use_openblas_if_present()
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve(
+    ctx: typer.Context,
+    model: str = typer.Argument(None, help="Model folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct."),
+    host: str = typer.Option("127.0.0.1", help="Address the OpenAI API listens on."),
+    port: int = typer.Option(8000, help="Port of the OpenAI API."),
+    gpu_memory_utilization: float = typer.Option(
+        0.5, min=0.01, max=0.95, help="Fraction of this host's memory for weights, activations and the KV cache."
+    ),
+):
+    """Serve the OpenAI API on this machine. Other flags go to vLLM with vLLM's names
+    (--max-model-len, --max-num-seqs, --gpu-memory-utilization, --api-key, --tool-call-parser, ...)."""
+    from metal_cluster.coordinator import serve as server
+    from metal_cluster.stage_worker.model_source import resolve_model
+
+    extra = list(ctx.args)
+    if model is not None and model.startswith("-"):  # a vLLM flag, not a model: no MODEL was given
+        extra.insert(0, model)
+        model = None
+    try:
+        source = resolve_model(model)
+    except ModelLoadError as e:
+        fail(str(e))
+    typer.echo(f"metal-cluster: serving {source.folder.name} on one machine", err=True)
+    extra += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+    server.run(server.vllm_argv(source, server.served_name(source), host, port, extra))
+
+
 @app.command()
 def generate(
     model: str = typer.Argument(None, help="Model folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct."),

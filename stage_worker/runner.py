@@ -88,6 +88,7 @@ def to_response(out: StageOutput) -> pb.StepResponse:
     for req_id, s in out.sampled.items():
         token = pb.SampledToken(req_id=req_id, token_id=s.token_id, logprob=s.logprob, rank=s.rank)
         if s.top_ids is not None:
+            token.top.SetInParent()  # logprobs were asked for, even with no top-k alternatives
             token.top.token_ids.extend(s.top_ids)
             token.top.logprobs.extend(s.top_logprobs)
         response.sampled.append(token)

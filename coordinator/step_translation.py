@@ -1,0 +1,103 @@
+"""vLLM's SchedulerOutput -> our StepRequest, and our StepResponse -> vLLM's ModelRunnerOutput.
+
+vLLM's own runners remember the tokens they sampled; our stages may live on other hosts, so the
+coordinator remembers them and ships each one once, in the request's next step (new_token_ids).
+"""
+
+from collections import defaultdict
+
+import numpy as np
+
+from metal_cluster.proto import PROTO_VERSION, pb
+
+
+def sampling_to_proto(sp) -> pb.SamplingParams:
+    out = pb.SamplingParams(
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k if sp.top_k and sp.top_k > 0 else 0,
+        min_p=sp.min_p,
+        presence_penalty=sp.presence_penalty,
+        frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=sp.repetition_penalty,
+    )
+    if sp.seed is not None:
+        out.seed = sp.seed
+    if sp.logprobs is not None:
+        out.logprobs = sp.logprobs
+    return out
+
+
+class StepTranslator:
+    def __init__(self):
+        self.step_id = 0
+        self.unsent: dict[str, list[int]] = defaultdict(list)
+
+    def to_step(self, so, grammar=None) -> pb.StepRequest:
+        step = pb.StepRequest(version=PROTO_VERSION, step_id=self.step_id)
+        self.step_id += 1
+        step.finished_req_ids.extend(so.finished_req_ids)
+        for req_id in so.finished_req_ids:
+            self.unsent.pop(req_id, None)
+        for new in so.scheduled_new_reqs:
+            step.new_requests.append(pb.NewRequest(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                block_ids=new.block_ids[0],
+                num_computed_tokens=new.num_computed_tokens,
+                sampling=sampling_to_proto(new.sampling_params),
+            ))
+        step.cached_requests.extend(self._cached(so.scheduled_cached_reqs))
+        for req_id, n in so.num_scheduled_tokens.items():
+            step.scheduled.append(pb.ScheduledTokens(req_id=req_id, num_tokens=n))
+        for copy in so.kv_cache_block_copies or ():
+            step.block_copies.append(pb.BlockCopy(src=copy.src_block_id, dst=copy.dst_block_id))
+        if grammar is not None:
+            step.grammar_req_ids.extend(grammar.structured_output_request_ids)
+            step.grammar_bitmask = np.ascontiguousarray(grammar.grammar_bitmask, dtype=np.int32).tobytes()
+        return step
+
+    def _cached(self, cached):
+        for i, req_id in enumerate(cached.req_ids):
+            msg = pb.CachedRequest(
+                req_id=req_id,
+                resumed=req_id in cached.resumed_req_ids,
+                num_computed_tokens=cached.num_computed_tokens[i],
+            )
+            if cached.new_block_ids[i] is not None:
+                msg.block_ids.extend(cached.new_block_ids[i][0])
+            if req_id in cached.all_token_ids:
+                msg.all_token_ids.extend(cached.all_token_ids[req_id])
+                self.unsent.pop(req_id, None)  # the full history already holds them
+            else:
+                msg.new_token_ids.extend(self.unsent.pop(req_id, []))
+            yield msg
+
+    def record(self, response: pb.StepResponse) -> None:
+        for s in response.sampled:
+            self.unsent[s.req_id].append(s.token_id)
+
+
+def to_runner_output(so, response: pb.StepResponse):
+    from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
+
+    req_ids = list(so.num_scheduled_tokens)
+    index = {r: i for i, r in enumerate(req_ids)}
+    tokens = [[] for _ in req_ids]  # [] = mid-prefill, no token this step
+    by_req = {s.req_id: s for s in response.sampled}
+    for req_id, s in by_req.items():
+        tokens[index[req_id]] = [s.token_id]
+    logprobs = None
+    if any(s.HasField("top") for s in response.sampled):
+        width = 1 + max(len(s.top.token_ids) for s in response.sampled)
+        ids = np.zeros((len(req_ids), width), dtype=np.int32)
+        lps = np.full((len(req_ids), width), -np.inf, dtype=np.float32)
+        ranks = np.zeros(len(req_ids), dtype=np.int32)
+        for req_id, s in by_req.items():
+            row = index[req_id]
+            ids[row, 0], lps[row, 0], ranks[row] = s.token_id, s.logprob, s.rank
+            k = len(s.top.token_ids)
+            ids[row, 1 : 1 + k] = s.top.token_ids
+            lps[row, 1 : 1 + k] = s.top.logprobs
+        logprobs = LogprobsLists(ids, lps, ranks)
+    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index=index, sampled_token_ids=tokens, logprobs=logprobs)

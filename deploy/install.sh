@@ -24,6 +24,8 @@ fi
 [ -x "$VENV/bin/python" ] || { say "creating $VENV"; python3 -m venv "$VENV"; }
 PY="$VENV/bin/python"
 pip() { "$PY" -m pip --disable-pip-version-check -q "$@"; }
+# The pip a venv starts with (23.x on Python 3.11) does not find vLLM 0.33's sdist.
+pip install "pip>=26"
 installed() { "$PY" -m pip show "$1" 2>/dev/null | sed -n 's/^Version: //p'; }
 
 # torch is only needed by vLLM's front end (never on the MLX serving path). A plain `pip install

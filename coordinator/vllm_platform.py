@@ -18,6 +18,7 @@ UNSUPPORTED_SAMPLING = {
     "allowed_token_ids": lambda p: bool(p.allowed_token_ids),
     "bad_words": lambda p: bool(p.bad_words),
     "prompt_logprobs": lambda p: p.prompt_logprobs is not None,
+    "min_tokens": lambda p: p.min_tokens > 0,
 }
 
 
@@ -107,6 +108,10 @@ class MetalClusterPlatform(Platform):
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:
+        from vllm.exceptions import VLLMValidationError  # a client error: vLLM answers 400
+
         for name, used in UNSUPPORTED_SAMPLING.items():
             if used(params):
-                raise ValueError(f"'{name}' is not supported by metal-cluster's sampler; remove it from the request")
+                raise VLLMValidationError(
+                    f"'{name}' is not supported by metal-cluster's sampler; remove it from the request", parameter=name
+                )

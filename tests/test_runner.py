@@ -134,3 +134,27 @@ def test_split_run_equals_full_model(llama_model):
     split_logits = logits_of(tail, handed_over)
     assert split_logits.shape == full_logits.shape
     assert mx.array_equal(split_logits, full_logits)
+
+
+def test_smollm2_gguf_matches_mlx_lm():
+    """The embedded default, read from its Q4_1 GGUF and dequantized: same tokens as mlx-lm."""
+    from mlx_lm.models import llama
+    from mlx_lm.utils import load_tokenizer
+
+    from metal_cluster.stage_worker import gguf
+
+    source = resolve_model(None)
+    tensors, _ = gguf.read_gguf(source.gguf)
+    ref_model = llama.Model(llama.ModelArgs.from_dict(source.config))
+    ref_model.load_weights(list(gguf.gguf_weights(tensors, source.config).items()))
+    tokenizer = load_tokenizer(source.folder)
+    prompts = [tokenizer.encode(p) for p in ("The capital of France is", "Once upon a time", "def fibonacci(n):")]
+    sched = scheduler(make_runner(source), chunk_size=5)
+    for i, p in enumerate(prompts):
+        sched.add(f"r{i}", p, 12)
+    out = sched.run()
+    expected = mlx_lm_greedy(ref_model, prompts[0], 12)
+    assert "Paris" in tokenizer.decode(expected)
+    assert out["r0"] == expected
+    for i in (1, 2):
+        assert out[f"r{i}"] == mlx_lm_greedy(ref_model, prompts[i], 12)

@@ -1,0 +1,67 @@
+"""Start `metal-cluster serve` as a real process for tests, with bounded waits and full cleanup."""
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(model, *extra, log_path, timeout=300):
+    port = free_port()
+    cmd = [sys.executable, "-m", "metal_cluster.coordinator", "serve"]
+    cmd += ([str(model)] if model else []) + ["--port", str(port), *extra]
+    with open(log_path, "w") as log:
+        # Its own session, so EngineCore and every other child go down with it.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(proc, url, timeout, log_path)
+        yield url
+    finally:
+        _stop(proc)
+
+
+def _wait_healthy(proc, url, timeout, log_path):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{_tail(log_path)}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"server not healthy after {timeout}s:\n{_tail(log_path)}")
+
+
+def _stop(proc):
+    for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            # The session leader is gone; make sure no child outlived it.
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (subprocess.TimeoutExpired, ProcessLookupError):
+            continue
+        return
+
+
+def _tail(path, n=40):
+    with open(path) as f:
+        return "".join(f.readlines()[-n:])

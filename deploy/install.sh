@@ -5,6 +5,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${METAL_CLUSTER_VENV:-.venv}
 VLLM_VERSION=0.33.0
+# By URL, not `vllm==0.33.0`: the empty-target build calls itself 0.33.0+empty, which pip would
+# reject as an inconsistent version. The hash pins the exact file.
+VLLM_SDIST="https://files.pythonhosted.org/packages/f7/25/aa5684e9c59d6fc75f78926b7f15e8d9adc7de2d9e6e7575b80776ad8169/vllm-0.33.0.tar.gz#sha256=f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112"
 TORCH_VERSION=2.13.0
 
 say() { echo "install: $*"; }
@@ -39,7 +42,7 @@ installed() { "$PY" -m pip show "$1" 2>/dev/null | sed -n 's/^Version: //p'; }
 if [ "$(installed vllm)" != "${VLLM_VERSION}+empty" ]; then
   say "building vLLM $VLLM_VERSION (pure Python, VLLM_TARGET_DEVICE=empty; a few minutes)"
   pip install "setuptools>=77.0.3,<81" setuptools-scm setuptools-rust wheel jinja2 cmake ninja packaging
-  VLLM_TARGET_DEVICE=empty pip install --no-build-isolation --no-binary vllm "vllm==$VLLM_VERSION"
+  VLLM_TARGET_DEVICE=empty pip install --no-build-isolation "vllm @ $VLLM_SDIST"
 fi
 
 say "installing metal-cluster and its pinned dependencies"

@@ -43,9 +43,14 @@ def serve(
         source = resolve_model(model)
     except ModelLoadError as e:
         fail(str(e))
-    typer.echo(f"metal-cluster: serving {source.folder.name} on one machine", err=True)
+    typer.echo(f"metal-cluster: serving {server.served_name(source)} on one machine", err=True)
     extra += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
-    server.run(server.vllm_argv(source, server.served_name(source), host, port, extra))
+    try:
+        server.run(server.vllm_argv(source, server.served_name(source), host, port, extra))
+    except KeyboardInterrupt:
+        raise typer.Exit(130)
+    except Exception as e:  # vLLM's own errors: the engine has already logged the reason
+        fail(f"the server stopped: {' '.join(str(e).split())[:300]}", code=1)
 
 
 @app.command()

@@ -5,6 +5,7 @@ StepRequest for the stages and their answer into a ModelRunnerOutput. No torch m
 """
 
 import logging
+import os
 from concurrent.futures import Future
 from functools import cached_property
 
@@ -72,10 +73,19 @@ class ClusterExecutor(Executor):
     def determine_available_memory(self) -> list[int]:
         tokens = self.scheduler_config.max_num_batched_tokens
         log.info("warming up: one %d-token prefill to measure activation memory", tokens)
-        peak, seconds = self.stage.measure_activation_peak(tokens, self.cache_config.block_size)
+        block_size = self.cache_config.block_size
+        peak, seconds = self.stage.measure_activation_peak(tokens, block_size)
         budget = memory.kv_budget(self.cache_config.gpu_memory_utilization, self.stage.weights_bytes, peak)
-        log.info("warm-up took %.1f s; activation peak %.2f GiB; KV budget %.2f GiB", seconds, peak / 2**30, budget / 2**30)
-        return [budget]
+        log.info("warm-up took %.1f s; activation peak %.2f GiB; KV budget %.2f GiB", seconds, peak / 2**30, budget.kv_bytes / 2**30)
+        try:
+            budget.check_fits(self.model_config.max_model_len, block_size, self.stage.bytes_per_block(block_size))
+        except memory.MemoryBudgetError as e:
+            # One clear line instead of vLLM's tracebacks from two processes; the API server sees
+            # the engine gone and `metal-cluster serve` exits non-zero.
+            log.error("%s", e)
+            logging.shutdown()
+            os._exit(3)
+        return [budget.kv_bytes]
 
     def initialize_from_config(self, kv_cache_configs) -> None:
         from metal_cluster.coordinator.stages import KVLayout

@@ -1,15 +1,43 @@
 """The memory guard: what is left for the KV pool once weights and activations have their share."""
 
+from dataclasses import dataclass
+
 import psutil
+
+GIB = 2**30
+
+
+class MemoryBudgetError(RuntimeError):
+    """The budget cannot hold one max-length request; the message names the numbers and the flags."""
 
 
 def host_memory_bytes() -> int:
     return psutil.virtual_memory().total
 
 
-def kv_budget(utilization: float, weights_bytes: int, activation_peak_bytes: int) -> int:
-    """Bytes for KV: `utilization` of the host's memory minus weights and the measured activation peak.
+@dataclass
+class KVBudget:
+    utilization: float
+    host_bytes: int
+    weights_bytes: int
+    activation_bytes: int
 
-    May be zero or negative; vLLM then refuses to start and names the numbers and the flag to change.
-    """
-    return max(0, int(utilization * host_memory_bytes()) - weights_bytes - activation_peak_bytes)
+    @property
+    def kv_bytes(self) -> int:
+        return max(0, int(self.utilization * self.host_bytes) - self.weights_bytes - self.activation_bytes)
+
+    def check_fits(self, max_model_len: int, block_size: int, bytes_per_block: int) -> None:
+        # One max-length request, plus vLLM's null block.
+        needed = (-(-max_model_len // block_size) + 1) * bytes_per_block
+        if self.kv_bytes >= needed:
+            return
+        raise MemoryBudgetError(
+            f"not enough memory for one {max_model_len}-token request: the KV cache needs {needed / GIB:.2f} GiB, "
+            f"but {self.utilization:.0%} of {self.host_bytes / GIB:.1f} GiB host memory minus "
+            f"{self.weights_bytes / GIB:.2f} GiB weights and {self.activation_bytes / GIB:.2f} GiB activations "
+            f"leaves {self.kv_bytes / GIB:.2f} GiB; raise --gpu-memory-utilization or lower --max-model-len"
+        )
+
+
+def kv_budget(utilization: float, weights_bytes: int, activation_bytes: int) -> KVBudget:
+    return KVBudget(utilization, host_memory_bytes(), weights_bytes, activation_bytes)

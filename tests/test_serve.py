@@ -162,3 +162,22 @@ def test_smollm2_chat_matches_mlx_lm(tmp_path):
                                            temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
         assert r.choices[0].token_ids == expected
         assert "Paris" in r.choices[0].message.content
+
+
+def test_budget_too_small_fails_at_start_with_the_numbers(tmp_path):
+    import subprocess
+    import sys
+
+    from server_process import free_port
+
+    result = subprocess.run(
+        [sys.executable, "-m", "metal_cluster.coordinator", "serve", "--port", str(free_port()),
+         "--gpu-memory-utilization", "0.02", "--max-num-batched-tokens", "128"],
+        capture_output=True, text=True, timeout=240, start_new_session=True)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output, output[-3000:]
+    reason = [line for line in output.splitlines() if "not enough memory for one 8192-token request" in line]
+    assert len(reason) == 1, output[-3000:]
+    assert "GiB" in reason[0] and "--gpu-memory-utilization" in reason[0] and "--max-model-len" in reason[0]
+    assert output.strip().splitlines()[-1].startswith("metal-cluster: error:")

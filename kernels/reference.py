@@ -1,7 +1,9 @@
 """Reference paged varlen attention in plain MLX ops: the oracle for kernels and the CPU path.
 
-One request at a time: gather its blocks into a contiguous K/V, then run MLX's fused SDPA with the
-mask its queries need (causal over the new tokens, full over the cached context, optional window).
+Decodes (one query each) go through one batched SDPA over their gathered, padded contexts; each
+prefill chunk gathers its own blocks and runs SDPA with the mask its queries need (causal over the
+new tokens, full over the cached context, optional sliding window). On the CPU the cost is mostly
+per-op overhead, so fewer, larger ops win.
 """
 
 import mlx.core as mx
@@ -10,35 +12,74 @@ from metal_cluster.kernels.metadata import AttentionMetadata
 
 
 def paged_attention_reference(q, k_pool, v_pool, meta: AttentionMetadata, scale, sliding_window=None):
-    num_blocks, block_size, kv_heads, head_dim = k_pool.shape
-    outputs = []
-    q_start = 0
-    for r, (q_len, ctx_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+    q_lens, ctx_lens = meta.query_lens_host, meta.seq_lens_host
+    decodes = [r for r, n in enumerate(q_lens) if n == 1]
+    decoded = _decode_batch(q, k_pool, v_pool, meta, decodes, scale, sliding_window) if decodes else None
+    if len(decodes) == len(q_lens):
+        return decoded
+    outputs, starts = [], _starts(q_lens)
+    decode_slot = {r: i for i, r in enumerate(decodes)}
+    for r, (q_len, ctx_len) in enumerate(zip(q_lens, ctx_lens)):
         if q_len == 0:
             continue
-        n_blocks = -(-ctx_len // block_size)
-        blocks = meta.block_tables[r, :n_blocks]
-        k = _gather(k_pool, blocks, ctx_len)
-        v = _gather(v_pool, blocks, ctx_len)
-        q_r = q[q_start : q_start + q_len].transpose(1, 0, 2)[None]  # [1, H, q_len, D]
-        mask = _mask(q_len, ctx_len, sliding_window)
-        out = mx.fast.scaled_dot_product_attention(q_r, k, v, scale=scale, mask=mask)
-        outputs.append(out[0].transpose(1, 0, 2))
-        q_start += q_len
+        if r in decode_slot:
+            i = decode_slot[r]
+            outputs.append(decoded[i : i + 1])
+            continue
+        outputs.append(_prefill_one(q[starts[r] : starts[r] + q_len], k_pool, v_pool, meta, r, scale, sliding_window))
     return mx.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
 
 
-def _gather(pool, blocks, ctx_len):
-    """[ctx_len] tokens of one request as [1, kv_heads, ctx_len, D]."""
+def _starts(q_lens):
+    starts, total = [], 0
+    for n in q_lens:
+        starts.append(total)
+        total += n
+    return starts
+
+
+def _decode_batch(q, k_pool, v_pool, meta, rows, scale, window):
+    """All single-query requests at once: [R, H, D] out of contexts padded to the longest."""
+    block_size = k_pool.shape[1]
+    ctx = [meta.seq_lens_host[r] for r in rows]
+    n_blocks = -(-max(ctx) // block_size)
+    index = mx.array(rows)
+    tables = meta.block_tables[index, :n_blocks]
+    starts = _starts(meta.query_lens_host)
+    q_rows = q[mx.array([starts[r] for r in rows])][:, :, None, :]  # [R, H, 1, D]
+    k, v = _gather_padded(k_pool, tables), _gather_padded(v_pool, tables)
+    positions = mx.arange(n_blocks * block_size)[None, :]
+    lens = mx.array(ctx)[:, None]
+    mask = positions < lens
+    if window is not None:
+        mask = mask & (positions >= lens - window)
+    out = mx.fast.scaled_dot_product_attention(q_rows, k, v, scale=scale, mask=mask[:, None, None, :])
+    return out[:, :, 0, :]
+
+
+def _gather_padded(pool, tables):
+    """[R, n_blocks] block ids -> [R, kv_heads, n_blocks * block_size, D]."""
+    r, n = tables.shape
     _, block_size, kv_heads, head_dim = pool.shape
-    kv = pool[blocks].reshape(-1, kv_heads, head_dim)[:ctx_len]
-    return kv.transpose(1, 0, 2)[None]
+    kv = pool[tables.reshape(-1)].reshape(r, n * block_size, kv_heads, head_dim)
+    # MLX's CPU SDPA is several times slower on a strided (transposed) K/V than on a packed one.
+    return mx.contiguous(kv.transpose(0, 2, 1, 3))
 
 
-def _mask(q_len, ctx_len, window):
-    """Boolean [q_len, ctx_len] mask, or None when every query sees the whole context."""
-    if q_len == 1 and (window is None or ctx_len <= window):
-        return None
+def _prefill_one(q_r, k_pool, v_pool, meta, r, scale, window):
+    q_len, ctx_len = q_r.shape[0], meta.seq_lens_host[r]
+    block_size = k_pool.shape[1]
+    blocks = meta.block_tables[r, : -(-ctx_len // block_size)]
+    k = _gather_padded(k_pool, blocks[None])[:, :, :ctx_len]
+    v = _gather_padded(v_pool, blocks[None])[:, :, :ctx_len]
+    out = mx.fast.scaled_dot_product_attention(
+        q_r.transpose(1, 0, 2)[None], k, v, scale=scale, mask=_causal_mask(q_len, ctx_len, window)
+    )
+    return out[0].transpose(1, 0, 2)
+
+
+def _causal_mask(q_len, ctx_len, window):
+    """Boolean [q_len, ctx_len]: query i sits at position ctx_len - q_len + i."""
     q_pos = mx.arange(ctx_len - q_len, ctx_len)[:, None]
     k_pos = mx.arange(ctx_len)[None]
     mask = k_pos <= q_pos

@@ -37,14 +37,8 @@ class PagedAttention(nn.Module):
             q, k = a.q_norm(q), a.k_norm(k)
         q, k = _rope(a.rope, q, batch.positions), _rope(a.rope, k, batch.positions)
         cache.pool.write(cache.layer_index, batch.slot_mapping, k, v)
-        out = paged_attention(
-            q,
-            cache.pool.keys[cache.layer_index],
-            cache.pool.values[cache.layer_index],
-            batch.attn,
-            a.scale,
-            self.sliding_window,
-        )
+        k_pool, v_pool = cache.pool.layer(cache.layer_index)
+        out = paged_attention(q, k_pool, v_pool, batch.attn, a.scale, self.sliding_window)
         return a.o_proj(out.reshape(1, tokens, -1))
 
 

@@ -11,50 +11,48 @@ import mlx.core as mx
 
 @dataclass
 class KVPool:
+    # Stored flat, [num_blocks * block_size, kv_heads, head_dim]: a scatter into an array nothing
+    # else references is done in place by MLX; writing through a reshaped view would copy the pool.
     keys: list[mx.array]
     values: list[mx.array]
+    block_size: int
 
     @classmethod
     def allocate(cls, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype=mx.float32):
-        shape = (num_blocks, block_size, kv_heads, head_dim)
+        shape = (num_blocks * block_size, kv_heads, head_dim)
         keys = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         values = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
         mx.eval(keys, values)
-        return cls(keys, values)
+        return cls(keys, values, block_size)
 
     @property
     def num_blocks(self) -> int:
-        return self.keys[0].shape[0] if self.keys else 0
-
-    @property
-    def block_size(self) -> int:
-        return self.keys[0].shape[1]
+        return self.keys[0].shape[0] // self.block_size if self.keys else 0
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.keys + self.values)
 
+    def layer(self, i: int) -> tuple[mx.array, mx.array]:
+        """Layer i's K and V as [num_blocks, block_size, kv_heads, head_dim] views."""
+        return self._blocks(self.keys[i]), self._blocks(self.values[i])
+
+    def _blocks(self, flat):
+        return flat.reshape(-1, self.block_size, *flat.shape[1:])
+
     def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array) -> None:
         """Store this step's K/V ([T, kv_heads, D]) at flat slots (block * block_size + offset)."""
-        self.keys[layer] = _scatter(self.keys[layer], slots, k)
-        self.values[layer] = _scatter(self.values[layer], slots, v)
+        self.keys[layer][slots] = k.astype(self.keys[layer].dtype)
+        self.values[layer][slots] = v.astype(self.values[layer].dtype)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
-        src = mx.array([s for s, _ in pairs])
-        dst = mx.array([d for _, d in pairs])
-        for pools in (self.keys, self.values):
-            for i, pool in enumerate(pools):
-                pool[dst] = pool[src]
-                pools[i] = pool
-
-
-def _scatter(pool, slots, rows):
-    n, bs, h, d = pool.shape
-    flat = pool.reshape(n * bs, h, d)
-    flat[slots] = rows.astype(pool.dtype)
-    return flat.reshape(n, bs, h, d)
+        offsets = mx.arange(self.block_size)
+        src = (mx.array([s for s, _ in pairs])[:, None] * self.block_size + offsets).reshape(-1)
+        dst = (mx.array([d for _, d in pairs])[:, None] * self.block_size + offsets).reshape(-1)
+        for pool in self.keys + self.values:
+            pool[dst] = pool[src]
 
 
 def bytes_per_block(num_layers, block_size, kv_heads, head_dim, dtype=mx.float32) -> int:

@@ -29,9 +29,13 @@ def serve(
     gpu_memory_utilization: float = typer.Option(
         0.5, min=0.01, max=0.95, help="Fraction of this host's memory for weights, activations and the KV cache."
     ),
+    pipeline_parallel_size: int = typer.Option(
+        1, "--pipeline-parallel-size", "-pp", min=1, help="Split the layers over this many local stage-worker processes."
+    ),
 ):
     """Serve the OpenAI API on this machine. Other flags go to vLLM with vLLM's names
     (--max-model-len, --max-num-seqs, --gpu-memory-utilization, --api-key, --tool-call-parser, ...)."""
+    from metal_cluster.coordinator import local_workers
     from metal_cluster.coordinator import serve as server
     from metal_cluster.stage_worker.model_source import resolve_model
 
@@ -46,11 +50,34 @@ def serve(
     typer.echo(f"metal-cluster: serving {server.served_name(source)} on one machine", err=True)
     extra += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     try:
-        server.run(server.vllm_argv(source, server.served_name(source), host, port, extra))
+        with local_workers.started(pipeline_parallel_size, gpu_memory_utilization) as addresses:
+            if addresses:
+                extra += ["--pipeline-parallel-size", str(pipeline_parallel_size)]
+            server.run(server.vllm_argv(source, server.served_name(source), host, port, extra), addresses)
     except KeyboardInterrupt:
         raise typer.Exit(130)
+    except local_workers.WorkerStartError as e:
+        fail(str(e), code=1)
     except Exception as e:  # vLLM's own errors: the engine has already logged the reason
         fail(f"the server stopped: {' '.join(str(e).split())[:300]}", code=1)
+
+
+@app.command()
+def worker(
+    host: str = typer.Option("127.0.0.1", help="Address the stage's gRPC service listens on."),
+    port: int = typer.Option(7760, help="gRPC port."),
+    ring_port: int = typer.Option(None, help="Port of the MLX ring data plane. Default: gRPC port + 1."),
+):
+    """Run a stage-worker daemon: it waits for a coordinator to assign it layers."""
+    import logging
+
+    from metal_cluster.stage_worker.server import serve as serve_stage
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        serve_stage(host, port, ring_port or port + 1)
+    except OSError as e:
+        fail(str(e))
 
 
 @app.command()

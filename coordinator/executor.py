@@ -1,22 +1,29 @@
-"""The cluster executor: a vLLM Executor whose "workers" are our stages.
+"""The cluster executor: a vLLM Executor whose workers are our stages.
 
 vLLM's EngineCore (scheduler, KV block manager) calls this with SchedulerOutputs; we turn each into a
-StepRequest for the stages and their answer into a ModelRunnerOutput. No torch model ever runs.
+StepRequest for the pipeline and its answer into a ModelRunnerOutput. No torch model ever runs.
+With N stages vLLM runs N steps at once (its pipeline-parallel batch queue), each over other
+requests, so stage k works on step n while stage k+1 works on step n-1.
 """
 
 import logging
 import os
+import threading
 from concurrent.futures import Future
 from functools import cached_property
 
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
-from metal_cluster.coordinator import memory
+from metal_cluster.coordinator.executor_env import STAGES_ENV
+from metal_cluster.coordinator.stages import LocalStage, Pipeline, RemoteStage, even_split
 from metal_cluster.coordinator.step_translation import StepTranslator, to_runner_output
+from metal_cluster.stage_worker.memory import KVBudget, MemoryBudgetError
 
 # A child of vLLM's logger, so our lines come out with the engine's own (same format, same process tag).
 log = logging.getLogger("vllm.metal_cluster.executor")
+
+RING_TIMEOUT_S = 60
 
 
 def _done(value=None, error=None) -> Future:
@@ -35,68 +42,76 @@ def _run(fn, non_block, *args):
         if not non_block:
             raise
         return _done(error=e)
+    if isinstance(value, Future):
+        return value if non_block else value.result()
     return _done(value) if non_block else value
 
 
 class ClusterExecutor(Executor):
     uses_ray = False
-    supports_pp = False
+    supports_pp = True
 
     def _init_executor(self) -> None:
-        from metal_cluster.coordinator.stages import InProcessStage
-        from metal_cluster.stage_worker.model_source import resolve_model
-
-        source = resolve_model(self.model_config.model)
-        log.info("loading %s on MLX", source.folder.name)
-        self.stage = InProcessStage(source)
-        log.info("loaded %d layers, %.2f GiB of weights", len(self.stage.shard.layers), self.stage.weights_bytes / 2**30)
+        addresses = [a for a in os.environ.get(STAGES_ENV, "").split(",") if a]
+        self.pipeline = Pipeline([RemoteStage(a) for a in addresses] if addresses else [LocalStage()])
+        num_layers = self.model_config.hf_config.num_hidden_layers
+        self.ranges = even_split(num_layers, len(self.pipeline))
+        log.info("loading %s: %d layers over %d stage(s) %s, then a %d-token warm-up per stage",
+                 os.path.basename(self.model_config.model), num_layers, len(self.pipeline), self.ranges,
+                 self.scheduler_config.max_num_batched_tokens)
+        self.assigned = self.pipeline.assign(
+            self.model_config.model, self.ranges, self.cache_config.block_size,
+            self.scheduler_config.max_num_batched_tokens, self.cache_config.gpu_memory_utilization,
+        )
+        for (a, b), r, stage in zip(self.ranges, self.assigned, self.pipeline.stages):
+            log.info("stage %s: layers [%d, %d), %.2f GiB weights, %.2f GiB activations, KV budget %.2f GiB",
+                     stage.name, a, b, r.weights_bytes / 2**30, r.activation_bytes / 2**30, r.kv_budget_bytes / 2**30)
         self.translator = StepTranslator()
+        self.translator_lock = threading.Lock()
         self.pending = None
 
-    # --- KV cache sizing -------------------------------------------------------------------------
+    # --- KV cache sizing: one entry per stage; vLLM takes the minimum block count over them ----------
     def get_kv_cache_specs(self):
         import torch
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-        s = self.stage.shape
+        config = self.model_config.hf_config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         spec = FullAttentionSpec(
-            block_size=self.cache_config.block_size, num_kv_heads=s.kv_heads, head_size=s.head_dim, dtype=torch.float32
+            block_size=self.cache_config.block_size, num_kv_heads=kv_heads, head_size=head_dim, dtype=torch.float32
         )
-        return [{f"model.layers.{i}.self_attn.attn": spec for i in range(s.num_layers)}]
+        return [{f"model.layers.{i}.self_attn.attn": spec for i in range(a, b)} for a, b in self.ranges]
 
     def get_supported_kv_cache_layouts(self):
-        return [["LBNHC"]]
+        return [["LBNHC"]] * len(self.pipeline)
 
     def set_kv_cache_layout(self, layout_name, cp_kv_cache_interleave_size) -> None:
         pass
 
     def determine_available_memory(self) -> list[int]:
-        tokens = self.scheduler_config.max_num_batched_tokens
-        log.info("warming up: one %d-token prefill to measure activation memory", tokens)
-        block_size = self.cache_config.block_size
-        peak, seconds = self.stage.measure_activation_peak(tokens, block_size)
-        budget = memory.kv_budget(self.cache_config.gpu_memory_utilization, self.stage.weights_bytes, peak)
-        log.info("warm-up took %.1f s; activation peak %.2f GiB; KV budget %.2f GiB", seconds, peak / 2**30, budget.kv_bytes / 2**30)
-        try:
-            budget.check_fits(self.model_config.max_model_len, block_size, self.stage.bytes_per_block(block_size))
-        except memory.MemoryBudgetError as e:
-            # One clear line instead of vLLM's tracebacks from two processes; the API server sees
-            # the engine gone and `metal-cluster serve` exits non-zero.
-            log.error("%s", e)
-            logging.shutdown()
-            os._exit(3)
-        return [budget.kv_bytes]
+        for (a, b), r, stage in zip(self.ranges, self.assigned, self.pipeline.stages):
+            budget = KVBudget(self.cache_config.gpu_memory_utilization, r.host_memory_bytes, r.weights_bytes,
+                              r.activation_bytes)
+            try:
+                budget.check_fits(self.model_config.max_model_len, self.cache_config.block_size, r.bytes_per_block)
+            except MemoryBudgetError as e:
+                # One clear line instead of vLLM's tracebacks from two processes; the API server sees
+                # the engine gone and `metal-cluster serve` exits non-zero.
+                where = f"stage {stage.name} (layers [{a}, {b}))" if len(self.pipeline) > 1 else "this host"
+                log.error("%s: %s", where, e)
+                logging.shutdown()
+                os._exit(3)
+        return [r.kv_budget_bytes for r in self.assigned]
 
     def initialize_from_config(self, kv_cache_configs) -> None:
-        from metal_cluster.coordinator.stages import KVLayout
-
-        num_blocks = kv_cache_configs[0].num_blocks
+        num_blocks = min(c.num_blocks for c in kv_cache_configs)
         block_size = self.cache_config.block_size
-        self.stage.allocate(KVLayout(num_blocks, block_size))
-        log.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB)",
-            num_blocks, block_size, num_blocks * block_size, self.stage.runner.pool.nbytes / 2**30,
-        )
+        hosts = [f"{s.name.rsplit(':', 1)[0]}:{s.health().ring_port}" for s in self.pipeline.stages] \
+            if len(self.pipeline) > 1 else []
+        self.pipeline.start(num_blocks, hosts, RING_TIMEOUT_S)
+        log.info("KV cache: %d blocks x %d tokens = %d tokens on every stage", num_blocks, block_size,
+                 num_blocks * block_size)
 
     def compile_or_warm_up_model(self) -> None:
         pass
@@ -115,17 +130,34 @@ class ClusterExecutor(Executor):
     def _execute(self, so):
         if so.total_num_scheduled_tokens == 0:
             # Nothing to run, but the stages must still forget finished requests.
-            self.stage.step(self.translator.to_step(so))
+            with self.translator_lock:
+                step = self.translator.to_step(so)
+            self.pipeline.submit(step).result()
             return EMPTY_MODEL_RUNNER_OUTPUT
-        # The grammar bitmask for this step only arrives in sample_tokens, so the step runs there.
+        # The grammar bitmask for this step only arrives in sample_tokens, so the step goes out there.
         self.pending = so
         return None
 
-    def _sample(self, grammar_output):
+    def _sample(self, grammar_output) -> Future:
         so, self.pending = self.pending, None
-        response = self.stage.step(self.translator.to_step(so, grammar_output))
-        self.translator.record(response)
-        return to_runner_output(so, response)
+        with self.translator_lock:
+            step = self.translator.to_step(so, grammar_output)
+        answer = self.pipeline.submit(step)
+        out = Future()
+
+        def done(f):
+            # Record the sampled tokens before anyone sees the output: the scheduler may put these
+            # requests into the very next step.
+            try:
+                response = f.result()
+                with self.translator_lock:
+                    self.translator.record(response)
+                out.set_result(to_runner_output(so, response))
+            except Exception as e:
+                out.set_exception(e)
+
+        answer.add_done_callback(done)
+        return out
 
     def take_draft_token_ids(self):
         return None
@@ -145,7 +177,7 @@ class ClusterExecutor(Executor):
         pass
 
     def shutdown(self) -> None:
-        self.stage = None
+        self.pipeline.close()
 
     @classmethod
     def supports_async_scheduling(cls) -> bool:

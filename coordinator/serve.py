@@ -11,7 +11,8 @@ import threading
 import time
 import urllib.request
 
-from metal_cluster.coordinator.vllm_platform import ACTIVATE_ENV, EXECUTOR
+from metal_cluster.coordinator.executor_env import STAGES_ENV
+from metal_cluster.coordinator.vllm_platform import ACTIVATE_ENV
 from metal_cluster.stage_worker.model_source import ModelSource
 
 DEFAULT_MEMORY_UTILIZATION = 0.5
@@ -22,7 +23,6 @@ def vllm_argv(source: ModelSource, served_name: str, host: str, port: int, extra
         "--model", str(source.folder),
         "--host", host,
         "--port", str(port),
-        "--distributed-executor-backend", EXECUTOR,
         "--enforce-eager",
         "--enable-prefix-caching",
         "--enable-chunked-prefill",
@@ -42,8 +42,10 @@ def served_name(source: ModelSource) -> str:
     return re.sub(r"\.(Q\d\w*|F16|F32|BF16)$", "", name)  # "SmolLM2-135M-Instruct.Q4_1" -> "SmolLM2-135M-Instruct"
 
 
-def run(argv: list[str]) -> None:
+def run(argv: list[str], stage_addresses: list[str] | None = None) -> None:
     os.environ[ACTIVATE_ENV] = "1"  # before vLLM resolves its platform; inherited by EngineCore
+    if stage_addresses:
+        os.environ[STAGES_ENV] = ",".join(stage_addresses)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local; never reach for a hub
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")

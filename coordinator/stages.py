@@ -1,85 +1,165 @@
-"""The coordinator's one way to reach stage work: send a StepRequest, get a StepResponse.
+"""The coordinator's one way to reach stage work: the proto messages of proto/cluster.proto.
 
-`InProcessStage` is the single-machine form: the whole model in this process, no gRPC, no ring.
+A `Pipeline` is the stages of one model in ring order. Each stage is either a `RemoteStage` (a gRPC
+client of `metal-cluster worker`) or a `LocalStage` (a StageHost in this process: the single-machine
+form, no gRPC, no ring). The executor only ever talks to a Pipeline.
 """
 
-import time
-from dataclasses import dataclass
+import json
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
-import mlx.core as mx
+import grpc
 
 from metal_cluster.proto import PROTO_VERSION, pb
-from metal_cluster.stage_worker.model_source import ModelSource
-from metal_cluster.stage_worker.paged_kv import KVPool, bytes_per_block
-from metal_cluster.stage_worker.runner import StageRunner, to_response
-from metal_cluster.stage_worker.shard import load_shard
+from metal_cluster.proto import cluster_pb2_grpc as pb_grpc
+
+MAX_MESSAGE = 256 * 1024 * 1024
 
 
-@dataclass
-class KVLayout:
-    num_blocks: int
-    block_size: int
+class StageCallError(RuntimeError):
+    """A stage refused or failed an RPC; the message names the stage and its reason."""
 
 
-@dataclass
-class KVShape:
-    num_layers: int
-    kv_heads: int
-    head_dim: int
+def _completed(fn, *args) -> Future:
+    future = Future()
+    try:
+        future.set_result(fn(*args))
+    except Exception as e:
+        future.set_exception(StageCallError(f"local stage: {e}"))
+    return future
 
 
-def kv_shape(config: dict, num_layers: int) -> KVShape:
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    return KVShape(num_layers, kv_heads, head_dim)
+class LocalStage:
+    def __init__(self):
+        from metal_cluster.stage_worker.host import StageHost  # MLX only where a stage runs here
+
+        self.host = StageHost()
+        self.name = "local"
+
+    def assign(self, req):
+        return self.host.assign(req)
+
+    def start(self, req):
+        return self.host.start(req)
+
+    def health(self):
+        return self.host.health()
+
+    def submit(self, req) -> Future:
+        return _completed(self.host.step, req)
+
+    def close(self):
+        pass
 
 
-class InProcessStage:
-    def __init__(self, source: ModelSource, layout: KVLayout | None = None):
-        self.source = source
-        self.shard = load_shard(source)
-        self.shape = kv_shape(source.config, len(self.shard.layers))
-        self.runner = None
-        if layout is not None:
-            self.allocate(layout)
+class RemoteStage:
+    def __init__(self, address: str, timeout_s: float = 600):
+        self.name = address
+        self.timeout_s = timeout_s
+        self.channel = grpc.insecure_channel(
+            address,
+            options=[("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)],
+        )
+        self.stub = pb_grpc.StageStub(self.channel)
 
-    @property
-    def weights_bytes(self) -> int:
-        return sum(v.nbytes for _, v in _flat_params(self.shard.model))
+    def _call(self, method, req, timeout=None):
+        try:
+            return method(req, timeout=timeout or self.timeout_s)
+        except grpc.RpcError as e:
+            raise StageCallError(f"stage {self.name}: {e.details() or e.code().name}") from None
 
-    def bytes_per_block(self, block_size: int) -> int:
-        s = self.shape
-        return bytes_per_block(s.num_layers, block_size, s.kv_heads, s.head_dim)
+    def assign(self, req):
+        return self._call(self.stub.Assign, req)
 
-    def allocate(self, layout: KVLayout) -> None:
-        s = self.shape
-        pool = KVPool.allocate(s.num_layers, layout.num_blocks, layout.block_size, s.kv_heads, s.head_dim)
-        self.runner = StageRunner(self.shard, pool)
+    def start(self, req):
+        return self._call(self.stub.Start, req)
 
-    def measure_activation_peak(self, num_tokens: int, block_size: int) -> tuple[int, float]:
-        """Run one prefill of num_tokens on a throw-away pool; return (peak bytes above weights, seconds)."""
-        blocks = -(-num_tokens // block_size) + 1
-        saved, self.runner = self.runner, None
-        self.allocate(KVLayout(blocks, block_size))
-        pool_bytes = self.runner.pool.nbytes
-        mx.reset_peak_memory()
-        base = mx.get_active_memory()
-        start = time.perf_counter()
-        step = pb.StepRequest(version=PROTO_VERSION)
-        step.new_requests.append(pb.NewRequest(req_id="warm-up", prompt_token_ids=[0] * num_tokens, block_ids=range(1, blocks)))
-        step.scheduled.append(pb.ScheduledTokens(req_id="warm-up", num_tokens=num_tokens))
-        self.runner.step(step)
-        elapsed = time.perf_counter() - start
-        peak = max(0, mx.get_peak_memory() - base) + pool_bytes // blocks
-        self.runner = saved
-        mx.clear_cache()
-        return peak, elapsed
+    def health(self, timeout=5):
+        return self._call(self.stub.Health, pb.HealthRequest(version=PROTO_VERSION), timeout)
 
-    def step(self, request: pb.StepRequest) -> pb.StepResponse:
-        return to_response(self.runner.step(request))
+    def shutdown(self):
+        return self._call(self.stub.Shutdown, pb.ShutdownRequest(version=PROTO_VERSION), 5)
+
+    def submit(self, req) -> Future:
+        out = Future()
+        call = self.stub.Step.future(req, timeout=self.timeout_s)
+
+        def done(c):
+            try:
+                out.set_result(c.result())
+            except grpc.RpcError as e:
+                out.set_exception(StageCallError(f"stage {self.name}: {e.details() or e.code().name}"))
+
+        call.add_done_callback(done)
+        return out
+
+    def close(self):
+        self.channel.close()
 
 
-def _flat_params(model):
-    from mlx.utils import tree_flatten
+class Pipeline:
+    """Stages in ring order: stage k runs layers before stage k+1's and sends it hidden states."""
 
-    return tree_flatten(model.parameters())
+    def __init__(self, stages: list):
+        self.stages = stages
+        self.pool = ThreadPoolExecutor(max_workers=max(1, len(stages)), thread_name_prefix="stage-ctl")
+
+    def __len__(self):
+        return len(self.stages)
+
+    def assign(self, model: str, ranges: list[tuple[int, int]], block_size: int, max_tokens: int,
+               utilization: float) -> list[pb.AssignResponse]:
+        reqs = [
+            pb.AssignRequest(version=PROTO_VERSION, model=model, layer_start=a, layer_end=b, block_size=block_size,
+                             max_num_batched_tokens=max_tokens, memory_utilization=utilization)
+            for a, b in ranges
+        ]
+        return list(self.pool.map(lambda sr: sr[0].assign(sr[1]), zip(self.stages, reqs)))
+
+    def start(self, num_blocks: int, ring_hosts: list[str], ring_timeout_s: float = 60) -> None:
+        hostfile = json.dumps([[h] for h in ring_hosts])
+        reqs = [
+            pb.StartRequest(version=PROTO_VERSION, num_blocks=num_blocks, rank=k, world_size=len(self.stages),
+                            ring_hostfile=hostfile, ring_timeout_s=ring_timeout_s)
+            for k in range(len(self.stages))
+        ]
+        # Every rank must be joining at once: the ring connects only when all are there.
+        list(self.pool.map(lambda sr: sr[0].start(sr[1]), zip(self.stages, reqs)))
+
+    def submit(self, step: pb.StepRequest) -> Future:
+        """Every stage gets every step; the answer is the last stage's, or the first error."""
+        futures = [s.submit(step) for s in self.stages]
+        out = Future()
+        remaining = [len(futures)]
+        lock = threading.Lock()
+
+        def done(_):
+            with lock:
+                remaining[0] -= 1
+                if remaining[0]:
+                    return
+            for f in futures:
+                if f.exception() is not None:
+                    out.set_exception(f.exception())
+                    return
+            out.set_result(futures[-1].result())
+
+        for f in futures:
+            f.add_done_callback(done)
+        return out
+
+    def close(self):
+        for s in self.stages:
+            s.close()
+        self.pool.shutdown(wait=False)
+
+
+def even_split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
+    base, extra = divmod(num_layers, num_stages)
+    ranges, start = [], 0
+    for k in range(num_stages):
+        end = start + base + (1 if k < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges

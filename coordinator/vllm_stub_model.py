@@ -5,6 +5,9 @@ import torch.nn as nn
 
 
 class MLXExecutedModel(nn.Module):
+    # Pipeline stages are ours (MLX workers); vLLM only needs to know PP is allowed to schedule for it.
+    supports_pp = True
+
     def __init__(self, *, vllm_config=None, prefix: str = ""):
         super().__init__()
 
@@ -16,3 +19,6 @@ class MLXExecutedModel(nn.Module):
 
     def compute_logits(self, hidden_states):
         raise NotImplementedError("metal-cluster runs the model on MLX stages, not in torch")
+
+    def make_empty_intermediate_tensors(self, batch_size, dtype, device):
+        raise NotImplementedError("metal-cluster stages pass hidden states over the MLX ring, not torch")

@@ -125,3 +125,97 @@ class StepResponse(_message.Message):
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ...) -> None: ...
+
+class AssignRequest(_message.Message):
+    __slots__ = ("version", "model", "layer_start", "layer_end", "block_size", "max_num_batched_tokens", "memory_utilization")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    model: str
+    layer_start: int
+    layer_end: int
+    block_size: int
+    max_num_batched_tokens: int
+    memory_utilization: float
+    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., memory_utilization: _Optional[float] = ...) -> None: ...
+
+class AssignResponse(_message.Message):
+    __slots__ = ("weights_bytes", "activation_bytes", "bytes_per_block", "kv_budget_bytes", "num_layers", "host_memory_bytes")
+    WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    KV_BUDGET_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HOST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    weights_bytes: int
+    activation_bytes: int
+    bytes_per_block: int
+    kv_budget_bytes: int
+    num_layers: int
+    host_memory_bytes: int
+    def __init__(self, weights_bytes: _Optional[int] = ..., activation_bytes: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ...) -> None: ...
+
+class StartRequest(_message.Message):
+    __slots__ = ("version", "num_blocks", "rank", "world_size", "ring_hostfile", "ring_timeout_s")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RING_HOSTFILE_FIELD_NUMBER: _ClassVar[int]
+    RING_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    num_blocks: int
+    rank: int
+    world_size: int
+    ring_hostfile: str
+    ring_timeout_s: float
+    def __init__(self, version: _Optional[int] = ..., num_blocks: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., ring_hostfile: _Optional[str] = ..., ring_timeout_s: _Optional[float] = ...) -> None: ...
+
+class StartResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("version", "state", "node_id", "layer_start", "layer_end", "num_blocks", "num_requests", "resident_bytes", "steps", "ring_port")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    RING_PORT_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    state: str
+    node_id: str
+    layer_start: int
+    layer_end: int
+    num_blocks: int
+    num_requests: int
+    resident_bytes: int
+    steps: int
+    ring_port: int
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., node_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., ring_port: _Optional[int] = ...) -> None: ...
+
+class ShutdownRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class ShutdownResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

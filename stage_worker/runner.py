@@ -30,9 +30,15 @@ class StageRunner:
         self.table = RequestTable(pool.num_blocks)
 
     def step(self, step: pb.StepRequest, hidden_in: mx.array | None = None) -> StageOutput:
+        return self.run(step, self.prepare(step), hidden_in)
+
+    def prepare(self, step: pb.StepRequest) -> StepBatch:
+        """Bookkeeping and checks: everything a stage does before it needs hidden states."""
         self.table.apply(step)
         self.pool.copy_blocks([(c.src, c.dst) for c in step.block_copies])
-        batch = build_batch(self.table, step.scheduled, self.pool.block_size)
+        return build_batch(self.table, step.scheduled, self.pool.block_size)
+
+    def run(self, step: pb.StepRequest, batch: StepBatch, hidden_in: mx.array | None = None) -> StageOutput:
         out = StageOutput(step_id=step.step_id)
         if not batch.req_ids:
             return out

@@ -1,0 +1,86 @@
+"""Stage-worker processes on this machine, for `serve --pipeline-parallel-size N`: the
+single-machine form of a cluster (loopback gRPC and ring)."""
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from metal_cluster.coordinator.blas import openblas_env
+
+START_TIMEOUT_S = 120
+
+
+class WorkerStartError(RuntimeError):
+    pass
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@contextlib.contextmanager
+def started(count: int, memory_utilization: float):
+    """Yield the gRPC addresses of `count` fresh workers (none for count 1: the stage runs in-process)."""
+    if count <= 1:
+        yield []
+        return
+    ports = _free_ports(2 * count)
+    procs, addresses = [], []
+    try:
+        for k in range(count):
+            grpc_port, ring_port = ports[2 * k], ports[2 * k + 1]
+            cmd = [sys.executable, "-m", "metal_cluster.coordinator", "worker", "--host", "127.0.0.1",
+                   "--port", str(grpc_port), "--ring-port", str(ring_port)]
+            procs.append(subprocess.Popen(cmd, env=openblas_env(), start_new_session=True))
+            addresses.append(f"127.0.0.1:{grpc_port}")
+        _wait_ready(procs, addresses)
+        print(f"metal-cluster: {count} local stage workers up: {', '.join(addresses)}", file=sys.stderr, flush=True)
+        yield addresses
+    finally:
+        for proc in procs:
+            _stop(proc)
+
+
+def _wait_ready(procs, addresses):
+    from metal_cluster.coordinator.stages import RemoteStage, StageCallError
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    for proc, address in zip(procs, addresses):
+        stage = RemoteStage(address)
+        try:
+            while True:
+                if proc.poll() is not None:
+                    raise WorkerStartError(f"stage worker {address} exited with {proc.returncode} before it was ready")
+                try:
+                    stage.health(timeout=2)
+                    break
+                except StageCallError:
+                    if time.monotonic() > deadline:
+                        raise WorkerStartError(f"stage worker {address} not ready after {START_TIMEOUT_S}s") from None
+                    time.sleep(0.2)
+        finally:
+            stage.close()
+
+
+def _stop(proc):
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)

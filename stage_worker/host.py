@@ -1,0 +1,174 @@
+"""One stage's life: assigned a layer range, started with a KV pool and a ring, then steps.
+
+Proto in, proto out: the gRPC service and the coordinator's in-process adapter both wrap this, so
+a stage behaves the same on another Mac or inside the coordinator.
+"""
+
+import os
+import threading
+import uuid
+
+import mlx.core as mx
+import psutil
+
+from metal_cluster.proto import PROTO_VERSION, pb
+from metal_cluster.stage_worker import memory
+from metal_cluster.stage_worker.model_source import resolve_model
+from metal_cluster.stage_worker.paged_kv import KVPool, bytes_per_block
+from metal_cluster.stage_worker.request_table import StepError
+from metal_cluster.stage_worker.ring import Ring
+from metal_cluster.stage_worker.runner import StageRunner, to_response
+from metal_cluster.stage_worker.shard import load_shard
+
+
+class StageStateError(RuntimeError):
+    """An RPC that does not fit the stage's state (e.g. a step before start)."""
+
+
+def kv_geometry(config: dict) -> tuple[int, int]:
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    return config.get("num_key_value_heads") or config["num_attention_heads"], head_dim
+
+
+class StageHost:
+    def __init__(self, node_id: str | None = None, ring_port: int = 0):
+        self.node_id = node_id or uuid.uuid4().hex[:12]
+        self.ring_port = ring_port
+        self.state = "idle"
+        self.shard = None
+        self.runner: StageRunner | None = None
+        self.ring: Ring | None = None
+        self.block_size = 0
+        self.steps = 0
+        self.lock = threading.Lock()  # one MLX user at a time
+        # Steps run strictly in step_id order: ring messages between stages match only that way.
+        self.turn = threading.Condition()
+        self.next_step = 0
+
+    # --- control ---------------------------------------------------------------------------------
+    def assign(self, req: pb.AssignRequest) -> pb.AssignResponse:
+        check_version(req.version)
+        with self.lock:
+            if self.state != "idle":
+                raise StageStateError(
+                    f"this stage already holds layers [{self.shard.start}, {self.shard.end}); "
+                    "a new plan needs a new stage process"
+                )
+            self.shard = load_shard(resolve_model(req.model or None), req.layer_start, req.layer_end)
+            self.block_size = req.block_size
+            weights = sum(v.nbytes for v in _params(self.shard.model))
+            activation = self._measure_activation_peak(req.max_num_batched_tokens)
+            budget = memory.kv_budget(req.memory_utilization or 0.5, weights, activation)
+            self.state = "loaded"
+            return pb.AssignResponse(
+                weights_bytes=weights,
+                activation_bytes=activation,
+                bytes_per_block=self.bytes_per_block,
+                kv_budget_bytes=budget.kv_bytes,
+                num_layers=self.shard.num_layers,
+                host_memory_bytes=budget.host_bytes,
+            )
+
+    def start(self, req: pb.StartRequest) -> pb.StartResponse:
+        check_version(req.version)
+        with self.lock:
+            if self.state != "loaded":
+                raise StageStateError(f"start needs an assigned stage; this one is {self.state}")
+            if req.world_size > 1:
+                self.ring = Ring.join(req.rank, req.world_size, req.ring_hostfile, req.ring_timeout_s or 60)
+            self.runner = StageRunner(self.shard, self._allocate(req.num_blocks))
+            self.state = "serving"
+        return pb.StartResponse()
+
+    def health(self) -> pb.HealthResponse:
+        shard = self.shard
+        return pb.HealthResponse(
+            version=PROTO_VERSION,
+            state=self.state,
+            node_id=self.node_id,
+            layer_start=shard.start if shard else 0,
+            layer_end=shard.end if shard else 0,
+            num_blocks=self.runner.pool.num_blocks if self.runner else 0,
+            num_requests=len(self.runner.table) if self.runner else 0,
+            resident_bytes=psutil.Process(os.getpid()).memory_info().rss,
+            steps=self.steps,
+            ring_port=self.ring_port,
+        )
+
+    # --- data ------------------------------------------------------------------------------------
+    def step(self, req: pb.StepRequest, wait_s: float = 60.0) -> pb.StepResponse:
+        check_version(req.version)
+        if self.state != "serving":
+            raise StageStateError(f"a step needs a started stage; this one is {self.state}")
+        with self.turn:
+            if not self.turn.wait_for(lambda: req.step_id <= self.next_step, wait_s):
+                raise StepError(f"step {req.step_id} waited {wait_s:.0f}s for step {self.next_step}, which never came")
+            if req.step_id < self.next_step:
+                raise StepError(f"step {req.step_id} already ran (the next step is {self.next_step})")
+            try:
+                return self._run_step(req)
+            finally:
+                self.next_step += 1
+                self.turn.notify_all()
+
+    def _run_step(self, req: pb.StepRequest) -> pb.StepResponse:
+        with self.lock:
+            batch = self.runner.prepare(req)
+            hidden_in = None
+            if batch.req_ids and not self.shard.is_first:
+                hidden_in = self.ring.recv_prev(int(batch.token_ids.shape[0]), self.hidden_size, mx.float32)
+            out = self.runner.run(req, batch, hidden_in)
+            if out.hidden is not None:
+                self.ring.send_next(out.hidden)
+            self.steps += 1
+            return to_response(out)
+
+    # --- helpers ---------------------------------------------------------------------------------
+    @property
+    def hidden_size(self) -> int:
+        return self.shard.config["hidden_size"]
+
+    @property
+    def bytes_per_block(self) -> int:
+        kv_heads, head_dim = kv_geometry(self.shard.config)
+        return bytes_per_block(len(self.shard.layers), self.block_size, kv_heads, head_dim)
+
+    def _allocate(self, num_blocks: int) -> KVPool:
+        kv_heads, head_dim = kv_geometry(self.shard.config)
+        return KVPool.allocate(len(self.shard.layers), num_blocks, self.block_size, kv_heads, head_dim)
+
+    def _measure_activation_peak(self, num_tokens: int) -> int:
+        """One local prefill of num_tokens on a throw-away pool (no ring): activation bytes."""
+        if num_tokens <= 0:
+            return 0
+        blocks = -(-num_tokens // self.block_size) + 1
+        runner = StageRunner(self.shard, self._allocate(blocks))
+        mx.reset_peak_memory()
+        base = mx.get_active_memory()
+        step = pb.StepRequest(version=PROTO_VERSION)
+        step.new_requests.append(pb.NewRequest(req_id="warm-up", prompt_token_ids=[0] * num_tokens, block_ids=range(1, blocks)))
+        step.scheduled.append(pb.ScheduledTokens(req_id="warm-up", num_tokens=num_tokens))
+        hidden = None if self.shard.is_first else mx.zeros((num_tokens, self.hidden_size))
+        runner.step(step, hidden)
+        peak = max(0, mx.get_peak_memory() - base)
+        del runner
+        mx.clear_cache()
+        return peak
+
+
+def check_version(version: int) -> None:
+    if version != PROTO_VERSION:
+        raise VersionError(f"proto version {version} is not this worker's version {PROTO_VERSION}; run the same metal-cluster on every host")
+
+
+class VersionError(ValueError):
+    pass
+
+
+def _params(model):
+    from mlx.utils import tree_flatten
+
+    return [v for _, v in tree_flatten(model.parameters())]
+
+
+__all__ = ["StageHost", "StageStateError", "StepError", "VersionError", "check_version"]

@@ -1,0 +1,86 @@
+"""Pipeline stages in separate processes (gRPC control, MLX ring data) through the OpenAI API:
+greedy tokens must equal mlx-lm's own generation, whatever the batch mix."""
+
+import concurrent.futures
+
+import openai
+import pytest
+from mlx_lm.utils import load
+
+from scheduler_double import mlx_lm_greedy
+from server_process import running_server
+
+PROMPTS = [
+    "Hello world, this is a test",
+    "Another prompt that is quite a bit longer than the first one, with commas, and more words in it",
+    "Numbers 12345 and 67890",
+    "A",
+    "The quick brown fox jumps over the lazy dog again and again and again until the dog wakes up",
+    "Tea or coffee?",
+    "Pipeline stages overlap instead of idling",
+    "Short",
+]
+# Small batches force chunked prefill and mix prefill chunks with decodes in one step.
+ARGS = ["--gpu-memory-utilization", "0.05", "--max-model-len", "512", "--max-num-batched-tokens", "32",
+        "--max-num-seqs", "16", "--served-model-name", "m"]
+
+
+def greedy(client, ids, n):
+    r = client.completions.create(model="m", prompt=ids, max_tokens=n, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    return r.choices[0].token_ids
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_stages_match_mlx_lm(tiny_model, stages, tmp_path):
+    ref_model, tokenizer = load(str(tiny_model))
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    expected = [mlx_lm_greedy(ref_model, ids, 10) for ids in prompts]
+    with running_server(tiny_model, *ARGS, "-pp", str(stages), log_path=tmp_path / "server.log") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda ids: greedy(client, ids, 10), prompts))
+        assert got == expected
+        # A prefix-cache hit: the long prompt again, now with more after it.
+        longer = prompts[4] + prompts[1]
+        assert greedy(client, longer, 8) == mlx_lm_greedy(ref_model, longer, 8)
+        assert greedy(client, prompts[4], 10) == expected[4]
+        with open(tmp_path / "server.log") as log:
+            text = log.read()
+        assert f"{stages} local stage workers up" in text
+
+
+def test_eight_streams_over_three_stages_smollm2(tmp_path):
+    from mlx_lm.models import llama
+
+    from metal_cluster.stage_worker import gguf
+    from metal_cluster.stage_worker.model_source import resolve_model
+
+    source = resolve_model(None)
+    tensors, _ = gguf.read_gguf(source.gguf)
+    ref_model = llama.Model(llama.ModelArgs.from_dict(source.config))
+    ref_model.load_weights(list(gguf.gguf_weights(tensors, source.config).items()))
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(source.folder)
+    questions = ["What is the capital of France?", "Name a colour.", "What is 2 + 2?", "Say hello.",
+                 "What is water?", "Count to three.", "Name a fruit.", "What day is after Monday?"]
+    chats = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+             for q in questions]
+    expected = [mlx_lm_greedy(ref_model, ids, 8) for ids in chats]
+    args = ["--gpu-memory-utilization", "0.1", "--max-model-len", "1024", "--max-num-batched-tokens", "64"]
+    with running_server(None, *args, "-pp", "3", log_path=tmp_path / "server.log") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0)
+
+        def stream(ids):
+            chunks = client.completions.create(model="SmolLM2-135M-Instruct", prompt=ids, max_tokens=8,
+                                               temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True, "return_token_ids": True})
+            tokens = []
+            for c in chunks:
+                tokens += c.choices[0].token_ids or []
+            return tokens
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(stream, chats))
+    assert got == expected

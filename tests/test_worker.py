@@ -1,0 +1,111 @@
+"""`metal-cluster worker` at its gRPC boundary: bad requests get a status naming the problem and
+the worker keeps serving; a stage holds only its own layers."""
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+import tiny_models
+from metal_cluster.coordinator.stages import RemoteStage, StageCallError
+from metal_cluster.proto import PROTO_VERSION, pb
+from metal_cluster.proto import cluster_pb2_grpc as pb_grpc
+from server_process import free_port
+
+
+@contextlib.contextmanager
+def worker_process(log_path):
+    port = free_port()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "metal_cluster.coordinator", "worker", "--port", str(port),
+                                 "--ring-port", str(free_port())], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    stage = RemoteStage(f"127.0.0.1:{port}", timeout_s=120)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                stage.health(timeout=2)
+                break
+            except StageCallError:
+                assert proc.poll() is None, open(log_path).read()
+                assert time.monotonic() < deadline, "worker did not come up"
+                time.sleep(0.2)
+        yield stage
+    finally:
+        stage.close()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def assign(stage, model, start, end, block_size=16):
+    return stage.assign(pb.AssignRequest(version=PROTO_VERSION, model=str(model), layer_start=start, layer_end=end,
+                                         block_size=block_size, max_num_batched_tokens=32, memory_utilization=0.05))
+
+
+def step_status(stage, step):
+    stub = pb_grpc.StageStub(stage.channel)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Step(step, timeout=60)
+    return err.value.code(), err.value.details()
+
+
+def test_bad_steps_get_a_clear_status_and_the_worker_stays_up(llama_model, tmp_path):
+    with worker_process(tmp_path / "worker.log") as stage:
+        assign(stage, llama_model, 0, 4)
+        stage.start(pb.StartRequest(version=PROTO_VERSION, num_blocks=32, world_size=1))
+
+        unknown = pb.StepRequest(version=PROTO_VERSION, step_id=0)
+        unknown.cached_requests.append(pb.CachedRequest(req_id="ghost", num_computed_tokens=3))
+        unknown.scheduled.append(pb.ScheduledTokens(req_id="ghost", num_tokens=1))
+        code, details = step_status(stage, unknown)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "unknown request 'ghost'" in details
+
+        out_of_range = pb.StepRequest(version=PROTO_VERSION, step_id=1)
+        out_of_range.new_requests.append(pb.NewRequest(req_id="a", prompt_token_ids=[5, 6, 7], block_ids=[999]))
+        out_of_range.scheduled.append(pb.ScheduledTokens(req_id="a", num_tokens=3))
+        code, details = step_status(stage, out_of_range)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "block id 999 out of range" in details
+
+        old = pb.StepRequest(version=PROTO_VERSION + 1, step_id=2)
+        code, details = step_status(stage, old)
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "proto version" in details
+
+        good = pb.StepRequest(version=PROTO_VERSION, step_id=2)
+        good.new_requests.append(pb.NewRequest(req_id="a", prompt_token_ids=[5, 6, 7], block_ids=[1]))
+        good.scheduled.append(pb.ScheduledTokens(req_id="a", num_tokens=3))
+        response = stage.submit(good).result(timeout=60)
+        assert [s.req_id for s in response.sampled] == ["a"]
+        health = stage.health()
+        assert health.state == "serving" and health.num_requests == 1 and health.steps == 1
+
+
+def test_second_assign_is_refused(llama_model, tmp_path):
+    with worker_process(tmp_path / "worker.log") as stage:
+        assign(stage, llama_model, 0, 2)
+        with pytest.raises(StageCallError, match="already holds layers"):
+            assign(stage, llama_model, 2, 4)
+    with worker_process(tmp_path / "worker2.log") as other:
+        with pytest.raises(StageCallError, match="model not found"):
+            assign(other, tmp_path / "no-such-model", 0, 1)
+        assert other.health().state == "idle"
+
+
+def test_a_quarter_stage_holds_a_quarter_of_the_model(tmp_path):
+    folder = tiny_models.build_tiny_model("llama", tmp_path / "m", num_layers=8, hidden_size=512,
+                                          intermediate_size=2048, num_heads=8, num_kv_heads=4)
+
+    def growth(start, end):
+        with worker_process(tmp_path / f"w{start}.log") as stage:
+            before = stage.health().resident_bytes
+            assign(stage, folder, start, end)
+            return stage.health().resident_bytes - before
+
+    whole, quarter = growth(0, 8), growth(2, 4)
+    assert whole > 100 * 2**20, f"whole model grew the worker by only {whole / 2**20:.0f} MiB"
+    assert quarter < 0.4 * whole, f"a 2-of-8-layer stage grew by {quarter / 2**20:.0f} MiB vs {whole / 2**20:.0f} MiB"

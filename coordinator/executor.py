@@ -15,7 +15,7 @@ from functools import cached_property
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
-from metal_cluster.coordinator.executor_env import STAGES_ENV
+from metal_cluster.coordinator.executor_env import NO_OVERLAP_ENV, STAGES_ENV
 from metal_cluster.coordinator.stages import LocalStage, Pipeline, RemoteStage, even_split
 from metal_cluster.coordinator.step_translation import StepTranslator, to_runner_output
 from metal_cluster.stage_worker.memory import KVBudget, MemoryBudgetError
@@ -69,6 +69,7 @@ class ClusterExecutor(Executor):
         self.translator = StepTranslator()
         self.translator_lock = threading.Lock()
         self.pending = None
+        self.overlap = os.environ.get(NO_OVERLAP_ENV) != "1"
 
     # --- KV cache sizing: one entry per stage; vLLM takes the minimum block count over them ----------
     def get_kv_cache_specs(self):
@@ -157,6 +158,8 @@ class ClusterExecutor(Executor):
                 out.set_exception(e)
 
         answer.add_done_callback(done)
+        if not self.overlap:
+            out.exception()  # wait: the next step goes out only after this one is back
         return out
 
     def take_draft_token_ids(self):

@@ -2,3 +2,6 @@
 
 # Comma-separated gRPC addresses of the stage workers, in ring order; unset = one local stage.
 STAGES_ENV = "METAL_CLUSTER_STAGES"
+
+# Set to 1 to wait for each step before the next (no overlap between stages): for benchmarks.
+NO_OVERLAP_ENV = "METAL_CLUSTER_NO_OVERLAP"

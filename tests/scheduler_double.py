@@ -7,9 +7,6 @@ preempt/resume requests, which is what the runner must honour.
 
 from dataclasses import dataclass, field
 
-import mlx.core as mx
-from mlx_lm.generate import generate_step
-
 from metal_cluster.proto import PROTO_VERSION, pb
 
 
@@ -118,10 +115,3 @@ class SchedulerDouble:
         live = [r for r in self.reqs.values() if not r.done]
         return {b for r in live for b in r.block_ids}
 
-
-def mlx_lm_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
-    """mlx-lm's own generation: the oracle every serving path must match token for token."""
-    out = []
-    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens):
-        out.append(int(token))
-    return out

@@ -14,10 +14,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from metal_cluster.stage_worker.model_source import default_model_gguf
+
 from metal_cluster.stage_worker import gguf
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.gguf import (
-    default_gguf_path,
     gguf_weights,
     hf_config,
     prepare_gguf_folder,
@@ -32,13 +33,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here may reach a hub
 @pytest.fixture(scope="module")
 def smollm():
     """(tensors, metadata, config) of the embedded SmolLM2 GGUF."""
-    tensors, metadata = read_gguf(default_gguf_path())
+    tensors, metadata = read_gguf(default_model_gguf())
     return tensors, metadata, hf_config(metadata, tensors)
 
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    return prepare_gguf_folder(default_gguf_path(), tmp_path_factory.mktemp("gguf-cache"))
+    return prepare_gguf_folder(default_model_gguf(), tmp_path_factory.mktemp("gguf-cache"))
 
 
 def llama_cpp_permute(w, n_head):
@@ -238,7 +239,7 @@ def test_add_bos_token_adds_a_post_processor(smollm):
 
 def test_truncated_random_and_missing_files(tmp_path):
     truncated = tmp_path / "truncated.gguf"
-    truncated.write_bytes(default_gguf_path().read_bytes()[:1000])
+    truncated.write_bytes(default_model_gguf().read_bytes()[:1000])
     noise = tmp_path / "noise.gguf"
     noise.write_bytes(np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8).tobytes())
     for path in (truncated, noise, tmp_path / "missing.gguf"):
@@ -277,11 +278,11 @@ def test_unknown_tensor_name():
 def test_prepared_folder_loads_offline_and_is_reused(folder):
     from transformers import AutoConfig
 
-    assert json.loads((folder / "gguf_source.json").read_text()) == {"gguf": str(default_gguf_path())}
+    assert json.loads((folder / "gguf_source.json").read_text()) == {"gguf": str(default_model_gguf())}
     assert AutoConfig.from_pretrained(folder).num_hidden_layers == 30
     generation = json.loads((folder / "generation_config.json").read_text())
     assert generation == {"bos_token_id": 1, "eos_token_id": 2}
     before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
-    assert prepare_gguf_folder(default_gguf_path(), folder.parent) == folder
+    assert prepare_gguf_folder(default_model_gguf(), folder.parent) == folder
     assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temp dir left behind

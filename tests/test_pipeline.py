@@ -7,7 +7,7 @@ import openai
 import pytest
 from mlx_lm.utils import load
 
-from scheduler_double import mlx_lm_greedy
+from references import mlx_lm_greedy, smollm2_reference
 from server_process import running_server
 
 PROMPTS = [
@@ -51,18 +51,7 @@ def test_stages_match_mlx_lm(tiny_model, stages, tmp_path):
 
 
 def test_eight_streams_over_three_stages_smollm2(tmp_path):
-    from mlx_lm.models import llama
-
-    from metal_cluster.stage_worker import gguf
-    from metal_cluster.stage_worker.model_source import resolve_model
-
-    source = resolve_model(None)
-    tensors, _ = gguf.read_gguf(source.gguf)
-    ref_model = llama.Model(llama.ModelArgs.from_dict(source.config))
-    ref_model.load_weights(list(gguf.gguf_weights(tensors, source.config).items()))
-    from mlx_lm.utils import load_tokenizer
-
-    tokenizer = load_tokenizer(source.folder)
+    _, ref_model, tokenizer = smollm2_reference()
     questions = ["What is the capital of France?", "Name a colour.", "What is 2 + 2?", "Say hello.",
                  "What is water?", "Count to three.", "Name a fruit.", "What day is after Monday?"]
     chats = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)

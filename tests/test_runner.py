@@ -8,7 +8,8 @@ from metal_cluster.stage_worker.model_source import resolve_model
 from metal_cluster.stage_worker.paged_kv import KVPool
 from metal_cluster.stage_worker.runner import StageRunner
 from metal_cluster.stage_worker.shard import load_shard
-from scheduler_double import SchedulerDouble, mlx_lm_greedy
+from references import mlx_lm_greedy, smollm2_reference
+from scheduler_double import SchedulerDouble
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 96
@@ -138,16 +139,7 @@ def test_split_run_equals_full_model(llama_model):
 
 def test_smollm2_gguf_matches_mlx_lm():
     """The embedded default, read from its Q4_1 GGUF and dequantized: same tokens as mlx-lm."""
-    from mlx_lm.models import llama
-    from mlx_lm.utils import load_tokenizer
-
-    from metal_cluster.stage_worker import gguf
-
-    source = resolve_model(None)
-    tensors, _ = gguf.read_gguf(source.gguf)
-    ref_model = llama.Model(llama.ModelArgs.from_dict(source.config))
-    ref_model.load_weights(list(gguf.gguf_weights(tensors, source.config).items()))
-    tokenizer = load_tokenizer(source.folder)
+    source, ref_model, tokenizer = smollm2_reference()
     prompts = [tokenizer.encode(p) for p in ("The capital of France is", "Once upon a time", "def fibonacci(n):")]
     sched = scheduler(make_runner(source), chunk_size=5)
     for i, p in enumerate(prompts):

@@ -5,12 +5,11 @@ import json
 import urllib.error
 import urllib.request
 
-import httpx
 import openai
 import pytest
 from mlx_lm.utils import load
 
-from scheduler_double import mlx_lm_greedy
+from references import mlx_lm_greedy, smollm2_reference
 from server_process import running_server
 
 MAX_MODEL_LEN = 512
@@ -141,17 +140,7 @@ def test_bad_input_is_a_4xx_and_others_keep_going(client, tiny_server):
 
 def test_smollm2_chat_matches_mlx_lm(tmp_path):
     """The README's main path: the embedded default model, greedy chat, token for token."""
-    from mlx_lm.models import llama
-    from mlx_lm.utils import load_tokenizer
-
-    from metal_cluster.stage_worker import gguf
-    from metal_cluster.stage_worker.model_source import resolve_model
-
-    source = resolve_model(None)
-    tensors, _ = gguf.read_gguf(source.gguf)
-    ref_model = llama.Model(llama.ModelArgs.from_dict(source.config))
-    ref_model.load_weights(list(gguf.gguf_weights(tensors, source.config).items()))
-    tokenizer = load_tokenizer(source.folder)
+    _, ref_model, tokenizer = smollm2_reference()
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     expected = mlx_lm_greedy(ref_model, ids, 10)

@@ -61,7 +61,7 @@ class ClusterExecutor(Executor):
                  self.scheduler_config.max_num_batched_tokens)
         self.assigned = self.pipeline.assign(
             self.model_config.model, self.ranges, self.cache_config.block_size,
-            self.scheduler_config.max_num_batched_tokens, self.cache_config.gpu_memory_utilization,
+            self.scheduler_config.max_num_batched_tokens, self._utilization_per_stage(),
         )
         for (a, b), r, stage in zip(self.ranges, self.assigned, self.pipeline.stages):
             log.info("stage %s: layers [%d, %d), %.2f GiB weights, %.2f GiB activations, KV budget %.2f GiB",
@@ -70,6 +70,11 @@ class ClusterExecutor(Executor):
         self.translator_lock = threading.Lock()
         self.pending = None
         self.overlap = os.environ.get(NO_OVERLAP_ENV) != "1"
+
+    def _utilization_per_stage(self) -> list[float]:
+        """--gpu-memory-utilization is per host: stages sharing a machine split its share."""
+        hosts = [s.health().host_id for s in self.pipeline.stages]
+        return [self.cache_config.gpu_memory_utilization / hosts.count(h) for h in hosts]
 
     # --- KV cache sizing: one entry per stage; vLLM takes the minimum block count over them ----------
     def get_kv_cache_specs(self):
@@ -91,9 +96,9 @@ class ClusterExecutor(Executor):
         pass
 
     def determine_available_memory(self) -> list[int]:
-        for (a, b), r, stage in zip(self.ranges, self.assigned, self.pipeline.stages):
-            budget = KVBudget(self.cache_config.gpu_memory_utilization, r.host_memory_bytes, r.weights_bytes,
-                              r.activation_bytes)
+        shares = self._utilization_per_stage()
+        for (a, b), r, stage, share in zip(self.ranges, self.assigned, self.pipeline.stages, shares):
+            budget = KVBudget(share, r.host_memory_bytes, r.weights_bytes, r.activation_bytes)
             try:
                 budget.check_fits(self.model_config.max_model_len, self.cache_config.block_size, r.bytes_per_block)
             except MemoryBudgetError as e:

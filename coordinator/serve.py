@@ -14,8 +14,6 @@ from metal_cluster.coordinator.executor_env import STAGES_ENV
 from metal_cluster.coordinator.vllm_platform import ACTIVATE_ENV
 from metal_cluster.stage_worker.model_source import ModelSource
 
-DEFAULT_MEMORY_UTILIZATION = 0.5
-
 
 def vllm_argv(source: ModelSource, served_name: str, host: str, port: int, extra: list[str]) -> list[str]:
     argv = [
@@ -25,7 +23,6 @@ def vllm_argv(source: ModelSource, served_name: str, host: str, port: int, extra
         "--enforce-eager",
         "--enable-prefix-caching",
         "--enable-chunked-prefill",
-        "--gpu-memory-utilization", str(DEFAULT_MEMORY_UTILIZATION),
     ]
     if not _has_flag(extra, "--served-model-name"):
         argv += ["--served-model-name", served_name]

@@ -109,11 +109,11 @@ class Pipeline:
         return len(self.stages)
 
     def assign(self, model: str, ranges: list[tuple[int, int]], block_size: int, max_tokens: int,
-               utilization: float) -> list[pb.AssignResponse]:
+               utilization: list[float]) -> list[pb.AssignResponse]:
         reqs = [
             pb.AssignRequest(version=PROTO_VERSION, model=model, layer_start=a, layer_end=b, block_size=block_size,
-                             max_num_batched_tokens=max_tokens, memory_utilization=utilization)
-            for a, b in ranges
+                             max_num_batched_tokens=max_tokens, memory_utilization=share)
+            for (a, b), share in zip(ranges, utilization)
         ]
         return list(self.pool.map(lambda sr: sr[0].assign(sr[1]), zip(self.stages, reqs)))
 

@@ -187,7 +187,7 @@ class HealthRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("version", "state", "node_id", "layer_start", "layer_end", "num_blocks", "num_requests", "resident_bytes", "steps", "ring_port")
+    __slots__ = ("version", "state", "node_id", "layer_start", "layer_end", "num_blocks", "num_requests", "resident_bytes", "steps", "ring_port", "host_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -198,6 +198,7 @@ class HealthResponse(_message.Message):
     RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     RING_PORT_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
     state: str
     node_id: str
@@ -208,7 +209,8 @@ class HealthResponse(_message.Message):
     resident_bytes: int
     steps: int
     ring_port: int
-    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., node_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., ring_port: _Optional[int] = ...) -> None: ...
+    host_id: str
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., node_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., ring_port: _Optional[int] = ..., host_id: _Optional[str] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("version",)

@@ -5,6 +5,7 @@ a stage behaves the same on another Mac or inside the coordinator.
 """
 
 import os
+import platform
 import threading
 import uuid
 
@@ -93,6 +94,7 @@ class StageHost:
             resident_bytes=psutil.Process(os.getpid()).memory_info().rss,
             steps=self.steps,
             ring_port=self.ring_port,
+            host_id=machine_id(),
         )
 
     # --- data ------------------------------------------------------------------------------------
@@ -154,6 +156,15 @@ class StageHost:
         del runner
         mx.clear_cache()
         return peak
+
+
+def machine_id() -> str:
+    """Stable per machine (not per process): /etc/machine-id where there is one, else the host name."""
+    try:
+        with open("/etc/machine-id") as f:
+            return f.read().strip() or platform.node()
+    except OSError:
+        return platform.node()
 
 
 def check_version(version: int) -> None:

@@ -48,7 +48,9 @@ def decode_ms_per_token(client, n=48):
 
 
 def prefill_tokens_per_s(client, requests=8):
-    prompts = [f"Request {i}. {LONG}" for i in range(requests)]
+    # A fresh nonce in front of every prompt: no run may hit the prefix cache of an earlier one.
+    nonce = time.time_ns()
+    prompts = [f"Request {nonce}-{i}. {LONG}" for i in range(requests)]
 
     def one(p):
         r = client.completions.create(model=MODEL, prompt=p, max_tokens=1, temperature=0)

@@ -1,5 +1,6 @@
 """`metal-cluster`: the command line. Errors a user can fix are one line on stderr, never a traceback."""
 
+import contextlib
 import sys
 
 import typer
@@ -17,7 +18,7 @@ def fail(message: str, code: int = 2):
 
 @app.callback()
 def main():
-    blas.use_openblas_if_present()
+    """Commands that run models preload OpenBLAS themselves (see blas.py); the others stay quiet."""
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -35,6 +36,7 @@ def serve(
 ):
     """Serve the OpenAI API on this machine. Other flags go to vLLM with vLLM's names
     (--max-model-len, --max-num-seqs, --gpu-memory-utilization, --api-key, --tool-call-parser, ...)."""
+    blas.use_openblas_if_present()
     from metal_cluster.coordinator import local_workers
     from metal_cluster.coordinator import serve as server
     from metal_cluster.stage_worker.model_source import resolve_model
@@ -50,16 +52,69 @@ def serve(
     typer.echo(f"metal-cluster: serving {server.served_name(source)} on one machine", err=True)
     extra += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     try:
-        with local_workers.started(pipeline_parallel_size, gpu_memory_utilization) as addresses:
+        with local_workers.started(pipeline_parallel_size, gpu_memory_utilization) as workers, \
+                run_registration(host, port, source, workers) as run_dir:
+            addresses = [w.address for w in workers]
             if addresses:
                 extra += ["--pipeline-parallel-size", str(pipeline_parallel_size)]
-            server.run(server.vllm_argv(source, server.served_name(source), host, port, extra), addresses)
+            server.run(server.vllm_argv(source, server.served_name(source), host, port, extra), addresses, run_dir)
     except KeyboardInterrupt:
         raise typer.Exit(130)
     except local_workers.WorkerStartError as e:
         fail(str(e), code=1)
     except Exception as e:  # vLLM's own errors: the engine has already logged the reason
         fail(f"the server stopped: {' '.join(str(e).split())[:300]}", code=1)
+
+
+@contextlib.contextmanager
+def run_registration(host, port, source, workers):
+    """Tell `status` and `down` on this machine who we are, for as long as we serve."""
+    import os
+    import shutil
+    import time
+
+    from metal_cluster.coordinator import cluster_state
+
+    run_dir = cluster_state.run_dir_for(port)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cluster_state.write_json(run_dir / cluster_state.COORDINATOR, {
+        "url": f"http://{host}:{port}", "pid": os.getpid(), "model": source.folder.name,
+        "started": time.time(), "worker_pids": [w.pid for w in workers],
+    })
+    try:
+        yield run_dir
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@app.command()
+def status(
+    url: str = typer.Option(None, envvar="METAL_CLUSTER_URL", help="The coordinator's API base URL."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON for scripts."),
+    watch: bool = typer.Option(False, "--watch", help="Refresh in place until Ctrl-C."),
+):
+    """Show the cluster: nodes, stages and layer ranges, KV use, requests, tokens/s."""
+    from metal_cluster.coordinator import status as view
+
+    try:
+        view.show(view.find_url(url), as_json, watch)
+    except view.StatusError as e:
+        fail(str(e), code=1)
+
+
+@app.command()
+def down(
+    url: str = typer.Option(None, envvar="METAL_CLUSTER_URL", help="The coordinator's API base URL."),
+    timeout: float = typer.Option(30.0, help="Seconds running requests may take to finish before they are ended."),
+    workers_too: bool = typer.Option(False, "--workers-too", help="Also stop the remote worker daemons."),
+):
+    """Drain (no new requests, running ones finish), then stop the coordinator and its stages."""
+    from metal_cluster.coordinator import status as view
+
+    try:
+        view.bring_down(view.find_url(url), timeout, workers_too)
+    except view.StatusError as e:
+        fail(str(e), code=1)
 
 
 @app.command()
@@ -69,6 +124,7 @@ def worker(
     ring_port: int = typer.Option(None, help="Port of the MLX ring data plane. Default: gRPC port + 1."),
 ):
     """Run a stage-worker daemon: it waits for a coordinator to assign it layers."""
+    blas.use_openblas_if_present()
     import logging
 
     from metal_cluster.stage_worker.server import serve as serve_stage
@@ -88,6 +144,7 @@ def generate(
     chat: bool = typer.Option(True, help="Wrap the prompt in the model's chat template."),
 ):
     """Generate one answer on this machine, without a server."""
+    blas.use_openblas_if_present()
     from metal_cluster.coordinator.oneshot import generate as run
     from metal_cluster.stage_worker.model_source import resolve_model
 

@@ -10,12 +10,15 @@ import logging
 import os
 import threading
 from concurrent.futures import Future
+from pathlib import Path
 from functools import cached_property
 
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
+from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV
 from metal_cluster.coordinator.executor_env import NO_OVERLAP_ENV, STAGES_ENV
+from metal_cluster.coordinator.monitor import Monitor
 from metal_cluster.coordinator.stages import LocalStage, Pipeline, RemoteStage, even_split
 from metal_cluster.coordinator.step_translation import StepTranslator, to_runner_output
 from metal_cluster.stage_worker.memory import KVBudget, MemoryBudgetError
@@ -118,6 +121,10 @@ class ClusterExecutor(Executor):
         self.pipeline.start(num_blocks, hosts, RING_TIMEOUT_S)
         log.info("KV cache: %d blocks x %d tokens = %d tokens on every stage", num_blocks, block_size,
                  num_blocks * block_size)
+        run_dir = os.environ.get(RUN_DIR_ENV)
+        self.monitor = Monitor(self.pipeline, self.ranges, os.path.basename(self.model_config.model),
+                               Path(run_dir) if run_dir else None)
+        self.monitor.start()
 
     def compile_or_warm_up_model(self) -> None:
         pass
@@ -185,6 +192,8 @@ class ClusterExecutor(Executor):
         pass
 
     def shutdown(self) -> None:
+        if getattr(self, "monitor", None):
+            self.monitor.close()
         self.pipeline.close()
 
     @classmethod

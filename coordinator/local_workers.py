@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 from metal_cluster.coordinator.blas import openblas_env
 
@@ -16,6 +17,12 @@ START_TIMEOUT_S = 120
 
 class WorkerStartError(RuntimeError):
     pass
+
+
+@dataclass
+class LocalWorker:
+    address: str
+    pid: int
 
 
 def _free_ports(n: int) -> list[int]:
@@ -33,7 +40,7 @@ def _free_ports(n: int) -> list[int]:
 
 @contextlib.contextmanager
 def started(count: int, memory_utilization: float):
-    """Yield the gRPC addresses of `count` fresh workers (none for count 1: the stage runs in-process)."""
+    """Yield `count` fresh workers (none for count 1: the stage runs in-process)."""
     if count <= 1:
         yield []
         return
@@ -48,7 +55,7 @@ def started(count: int, memory_utilization: float):
             addresses.append(f"127.0.0.1:{grpc_port}")
         _wait_ready(procs, addresses)
         print(f"metal-cluster: {count} local stage workers up: {', '.join(addresses)}", file=sys.stderr, flush=True)
-        yield addresses
+        yield [LocalWorker(a, p.pid) for a, p in zip(addresses, procs)]
     finally:
         for proc in procs:
             _stop(proc)

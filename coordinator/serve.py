@@ -10,6 +10,7 @@ import threading
 import time
 import urllib.request
 
+from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV
 from metal_cluster.coordinator.executor_env import STAGES_ENV
 from metal_cluster.coordinator.vllm_platform import ACTIVATE_ENV
 from metal_cluster.stage_worker.model_source import ModelSource
@@ -23,6 +24,7 @@ def vllm_argv(source: ModelSource, served_name: str, host: str, port: int, extra
         "--enforce-eager",
         "--enable-prefix-caching",
         "--enable-chunked-prefill",
+        "--middleware", "metal_cluster.coordinator.http_routes.cluster_routes",
     ]
     if not _has_flag(extra, "--served-model-name"):
         argv += ["--served-model-name", served_name]
@@ -38,10 +40,12 @@ def served_name(source: ModelSource) -> str:
     return re.sub(r"\.(Q\d\w*|F16|F32|BF16)$", "", name)  # "SmolLM2-135M-Instruct.Q4_1" -> "SmolLM2-135M-Instruct"
 
 
-def run(argv: list[str], stage_addresses: list[str] | None = None) -> None:
+def run(argv: list[str], stage_addresses: list[str] | None = None, run_dir=None) -> None:
     os.environ[ACTIVATE_ENV] = "1"  # before vLLM resolves its platform; inherited by EngineCore
     if stage_addresses:
         os.environ[STAGES_ENV] = ",".join(stage_addresses)
+    if run_dir is not None:
+        os.environ[RUN_DIR_ENV] = str(run_dir)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local; never reach for a hub
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")

@@ -187,7 +187,7 @@ class HealthRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("version", "state", "node_id", "layer_start", "layer_end", "num_blocks", "num_requests", "resident_bytes", "steps", "ring_port", "host_id")
+    __slots__ = ("version", "state", "node_id", "layer_start", "layer_end", "num_blocks", "num_requests", "resident_bytes", "steps", "ring_port", "host_id", "kv_blocks_used", "host_memory_bytes", "host_memory_available_bytes", "device", "step_seconds", "ring_bytes_sent")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,12 @@ class HealthResponse(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     RING_PORT_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_USED_FIELD_NUMBER: _ClassVar[int]
+    HOST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_MEMORY_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RING_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     version: int
     state: str
     node_id: str
@@ -210,7 +216,13 @@ class HealthResponse(_message.Message):
     steps: int
     ring_port: int
     host_id: str
-    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., node_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., ring_port: _Optional[int] = ..., host_id: _Optional[str] = ...) -> None: ...
+    kv_blocks_used: int
+    host_memory_bytes: int
+    host_memory_available_bytes: int
+    device: str
+    step_seconds: float
+    ring_bytes_sent: int
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., node_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., ring_port: _Optional[int] = ..., host_id: _Optional[str] = ..., kv_blocks_used: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., host_memory_available_bytes: _Optional[int] = ..., device: _Optional[str] = ..., step_seconds: _Optional[float] = ..., ring_bytes_sent: _Optional[int] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("version",)

@@ -7,6 +7,7 @@ a stage behaves the same on another Mac or inside the coordinator.
 import os
 import platform
 import threading
+import time
 import uuid
 
 import mlx.core as mx
@@ -41,6 +42,7 @@ class StageHost:
         self.ring: Ring | None = None
         self.block_size = 0
         self.steps = 0
+        self.last_step_s = 0.0
         self.lock = threading.Lock()  # one MLX user at a time
         # Steps run strictly in step_id order: ring messages between stages match only that way.
         self.turn = threading.Condition()
@@ -83,6 +85,7 @@ class StageHost:
 
     def health(self) -> pb.HealthResponse:
         shard = self.shard
+        vm = psutil.virtual_memory()
         return pb.HealthResponse(
             version=PROTO_VERSION,
             state=self.state,
@@ -95,6 +98,12 @@ class StageHost:
             steps=self.steps,
             ring_port=self.ring_port,
             host_id=machine_id(),
+            kv_blocks_used=self.runner.table.blocks_in_use() if self.runner else 0,
+            host_memory_bytes=vm.total,
+            host_memory_available_bytes=vm.available,
+            device=device_name(),
+            step_seconds=self.last_step_s,
+            ring_bytes_sent=self.ring.bytes_sent if self.ring else 0,
         )
 
     # --- data ------------------------------------------------------------------------------------
@@ -114,6 +123,7 @@ class StageHost:
                 self.turn.notify_all()
 
     def _run_step(self, req: pb.StepRequest) -> pb.StepResponse:
+        started = time.perf_counter()
         with self.lock:
             batch = self.runner.prepare(req)
             hidden_in = None
@@ -123,6 +133,7 @@ class StageHost:
             if out.hidden is not None:
                 self.ring.send_next(out.hidden)
             self.steps += 1
+            self.last_step_s = time.perf_counter() - started
             return to_response(out)
 
     # --- helpers ---------------------------------------------------------------------------------
@@ -165,6 +176,11 @@ def machine_id() -> str:
             return f.read().strip() or platform.node()
     except OSError:
         return platform.node()
+
+
+def device_name() -> str:
+    device = mx.default_device()
+    return f"{platform.machine()} {device.type.name}"
 
 
 def check_version(version: int) -> None:

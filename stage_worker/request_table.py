@@ -63,6 +63,16 @@ class RequestTable:
         for cached in step.cached_requests:
             self._update(cached)
 
+    def blocks_in_use(self) -> int:
+        """Distinct KV blocks the running requests hold (shared prefix blocks count once)."""
+        # Called from health checks while a step may be changing the table: retry a torn read.
+        for _ in range(3):
+            try:
+                return len({b for r in list(self.requests.values()) for b in r.block_ids if b != 0})
+            except RuntimeError:
+                continue
+        return 0
+
     def advance(self, req_id: str, num_tokens: int) -> None:
         self.requests[req_id].num_computed_tokens += num_tokens
 

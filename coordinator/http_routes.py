@@ -1,0 +1,75 @@
+"""Cluster routes on vLLM's API server (installed with vLLM's --middleware hook):
+
+  GET  /metal-cluster/status   the nodes/stages snapshot the executor keeps
+  POST /metal-cluster/drain    stop admitting new requests (503); running ones finish
+  GET  /metrics                vLLM's metrics plus per-stage cluster gauges
+"""
+
+import os
+from pathlib import Path
+
+from starlette.responses import JSONResponse, Response
+
+from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV, SNAPSHOT, read_json
+
+STATE_VALUES = {"serving": 1, "loaded": 2, "idle": 3, "down": 0}
+
+
+def _snapshot() -> dict | None:
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    return read_json(Path(run_dir) / SNAPSHOT) if run_dir else None
+
+
+def _gauges(snapshot: dict) -> str:
+    lines = [
+        "# HELP metal_cluster_stage_kv_blocks_used KV blocks held by running requests on a stage.",
+        "# TYPE metal_cluster_stage_kv_blocks_used gauge",
+        "# HELP metal_cluster_stage_kv_blocks_total KV blocks a stage holds.",
+        "# TYPE metal_cluster_stage_kv_blocks_total gauge",
+        "# HELP metal_cluster_stage_step_seconds Time of the last step on a stage.",
+        "# TYPE metal_cluster_stage_step_seconds gauge",
+        "# HELP metal_cluster_stage_ring_bytes_sent_total Hidden-state bytes a stage sent to the next.",
+        "# TYPE metal_cluster_stage_ring_bytes_sent_total counter",
+        "# HELP metal_cluster_node_up 1 when a node answers heartbeats.",
+        "# TYPE metal_cluster_node_up gauge",
+    ]
+    for k, stage in enumerate(snapshot.get("stages", [])):
+        label = f'stage="{k}",node="{stage["node"]}",layers="{stage["layers"][0]}-{stage["layers"][1]}"'
+        lines += [
+            f"metal_cluster_stage_kv_blocks_used{{{label}}} {stage['kv_blocks_used']}",
+            f"metal_cluster_stage_kv_blocks_total{{{label}}} {stage['kv_blocks_total']}",
+            f"metal_cluster_stage_step_seconds{{{label}}} {stage['step_ms'] / 1000}",
+            f"metal_cluster_stage_ring_bytes_sent_total{{{label}}} {stage['ring_bytes_sent']}",
+        ]
+    for node in snapshot.get("nodes", []):
+        lines.append(f'metal_cluster_node_up{{node="{node["name"]}",address="{node["address"]}"}} '
+                     f'{int(node["state"] != "down")}')
+    return "\n".join(lines) + "\n"
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+async def cluster_routes(request, call_next):
+    path, method = request.url.path, request.method
+    state = request.app.state
+    if path == "/metal-cluster/status" and method == "GET":
+        snapshot = _snapshot()
+        if snapshot is None:
+            return _error(503, "the cluster snapshot is not ready yet", "ServiceUnavailable")
+        return JSONResponse({**snapshot, "draining": getattr(state, "metal_cluster_draining", False)})
+    if path == "/metal-cluster/drain" and method == "POST":
+        state.metal_cluster_draining = True
+        return JSONResponse({"draining": True})
+    if getattr(state, "metal_cluster_draining", False) and method == "POST" and path.startswith("/v1/"):
+        return _error(503, "this server is shutting down and takes no new requests", "ServiceUnavailable")
+    response = await call_next(request)
+    if path == "/metrics" and method == "GET" and response.status_code == 200:
+        body = b"".join([chunk async for chunk in response.body_iterator])
+        snapshot = _snapshot()
+        extra = _gauges(snapshot).encode() if snapshot else b""
+        headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
+        return Response(body + extra, status_code=200, headers=headers)
+    return response
+

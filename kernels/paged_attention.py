@@ -1,0 +1,525 @@
+"""Paged varlen attention kernels: one algorithm, Metal and CUDA backends from one source.
+
+Each kernel is written once (`_DECODE_BODY`, `_REDUCE_BODY`, `_PREFILL_BODY`) against a handful of
+macros (`_MACROS`) and a per-backend prologue that names the thread/threadgroup indices; the
+builders glue them together for `mx.fast.metal_kernel` or `mx.fast.cuda_kernel`. A threadgroup
+(CUDA block) is always 4 SIMD groups / warps of 32 lanes, so the same reductions work on both.
+
+Three kernels:
+- decode (every request has one query): one threadgroup per (request, kv head[, KV split]). It
+  serves all the GQA query heads of that kv head, so each K/V row is read from memory once. The
+  4 warps walk the request's keys 4 at a time each (independent loads in flight), lanes split the
+  head dim, and each warp keeps an online softmax; the warps are merged through shared memory.
+- split-KV reduce: when there are too few (request, kv head) pairs to fill the GPU, the context is
+  cut into partitions computed by separate threadgroups (`plan_decode_splits`); this pass merges
+  their partial (max, sum, unnormalised output) into the final row.
+- prefill / mixed: one threadgroup per (query tile, kv head). Tiles never straddle requests; a
+  tile finds its request by a binary search over `cu_seqlens_q` (vLLM's unified-kernel scheme:
+  request r owns tiles starting at cu_seqlens_q[r] // BQ + r). K/V tiles of 16 keys are staged in
+  shared memory; for the scores each lane takes one key (half the head dim each), for P@V lanes
+  split the head dim, so the softmax needs only a few shuffles per 16 keys.
+
+Runtime values (request count, block size, window, partition, block-table stride) travel in one
+small int32 array so that a new step never recompiles; only dtype, head dim and the GQA ratio are
+compile-time (they size register arrays).
+"""
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import mlx.core as mx
+
+from metal_cluster.kernels.metadata import AttentionMetadata
+
+WARPS = 4  # SIMD groups / warps per threadgroup
+LANES = 32
+THREADS = WARPS * LANES
+KEYS_PER_WARP_STEP = 4  # decode: keys each warp loads before reducing (memory-level parallelism)
+PREFILL_KEY_TILE = 16  # prefill: keys staged in shared memory per step
+PREFILL_ROWS = 16  # prefill: (query token, head) rows per threadgroup
+
+# The per-step int32 parameter block, by index.
+P_NUM_REQS, P_MAX_BLOCKS, P_BLOCK_SIZE, P_WINDOW, P_PARTITION, P_NUM_SPLITS = range(6)
+
+BACKENDS = ("metal", "cuda")
+
+# --- per-backend glue -----------------------------------------------------------------------
+
+_MACROS = {
+    "metal": """
+#define SHARED threadgroup
+#define BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define WARP_SUM(x) simd_sum(x)
+#define SHFL_XOR(x, m) simd_shuffle_xor((x), (ushort)(m))
+#define SHFL(x, i) simd_shuffle((x), (ushort)(i))
+#define EXP(x) metal::fast::exp(x)
+#define INDEX long
+#define GLOBAL device
+""",
+    "cuda": """
+#define SHARED __shared__
+#define BARRIER() __syncthreads()
+#define WARP_SUM(x) pa_warp_sum(x)
+#define SHFL_XOR(x, m) __shfl_xor_sync(0xffffffffu, (x), (m))
+#define SHFL(x, i) __shfl_sync(0xffffffffu, (x), (i))
+#define EXP(x) __expf(x)
+#define INDEX long long
+#define GLOBAL
+__device__ __forceinline__ float pa_warp_sum(float x) {
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+""",
+}
+
+_COMMON_MACROS = """
+#define MAXF(a, b) ((a) > (b) ? (a) : (b))
+#define MINI(a, b) ((a) < (b) ? (a) : (b))
+#define MAXI(a, b) ((a) > (b) ? (a) : (b))
+#define NEG_BIG (-1.0e30f)
+"""
+
+# The index names each backend gives a kernel. On Metal, naming an attribute in the body is what
+# makes MLX add it to the generated signature, so the prologue must live in the body.
+_PROLOGUE = {
+    "metal": """
+  const int tg_id = int(threadgroup_position_in_grid.x);
+  const int tid = int(thread_position_in_threadgroup.x);
+""",
+    "cuda": """
+  const int tg_id = int(blockIdx.x);
+  const int tid = int(threadIdx.x);
+""",
+}
+
+_CONSTANTS = """
+  constexpr int D = {head_dim};
+  constexpr int G = {gqa};
+  constexpr int NSG = {warps};
+  constexpr int DPL = D / 32;  // head-dim elements per lane: lane owns d = i * 32 + lane
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int num_reqs = params[{p_num_reqs}];
+  const int max_blocks = params[{p_max_blocks}];
+  const int BS = params[{p_block_size}];
+  const int window = params[{p_window}];
+  const int partition = params[{p_partition}];
+  const int num_splits = params[{p_num_splits}];
+  const float qk_scale = scale[0];
+  const int KVH = k_pool_kvh[0];
+  const int H = KVH * G;
+"""
+
+# --- decode ---------------------------------------------------------------------------------
+
+_DECODE_BODY = """
+  constexpr int KPI = {keys_per_step};
+  const int split = tg_id % num_splits;
+  const int kvh = (tg_id / num_splits) % KVH;
+  const int r = tg_id / (num_splits * KVH);
+  const int ctx = seq_lens[r];
+  const int q_row = cu_seqlens_q[r];
+  const int pos = ctx - 1;  // the one query sits at the end of its context
+  const int lo = window > 0 ? MAXI(0, pos - window + 1) : 0;
+  const int k_begin = MAXI(lo, split * partition);
+  const int k_end = MINI(ctx, (split + 1) * partition);
+
+  float qv[G][DPL];
+  float acc[G][DPL];
+  float m[G];
+  float l[G];
+  for (int g = 0; g < G; ++g) {{
+    const INDEX qbase = ((INDEX)q_row * H + kvh * G + g) * D;
+    for (int i = 0; i < DPL; ++i) {{
+      qv[g][i] = static_cast<float>(q[qbase + i * 32 + lane]) * qk_scale;
+      acc[g][i] = 0.0f;
+    }}
+    m[g] = NEG_BIG;
+    l[g] = 0.0f;
+  }}
+
+  const GLOBAL int* table = block_tables + (INDEX)r * max_blocks;
+  for (int kb = k_begin + warp * KPI; kb < k_end; kb += NSG * KPI) {{
+    // Load KPI keys (and their values) before any reduction, so their latencies overlap.
+    float kv[KPI][DPL];
+    float vv[KPI][DPL];
+    for (int j = 0; j < KPI; ++j) {{
+      const int k = kb + j;
+      if (k < k_end) {{
+        const INDEX base = (((INDEX)table[k / BS] * BS + k % BS) * KVH + kvh) * D;
+        for (int i = 0; i < DPL; ++i) {{
+          kv[j][i] = static_cast<float>(k_pool[base + i * 32 + lane]);
+          vv[j][i] = static_cast<float>(v_pool[base + i * 32 + lane]);
+        }}
+      }} else {{
+        for (int i = 0; i < DPL; ++i) {{ kv[j][i] = 0.0f; vv[j][i] = 0.0f; }}
+      }}
+    }}
+    for (int g = 0; g < G; ++g) {{
+      float s[KPI];
+      float smax = NEG_BIG;
+      for (int j = 0; j < KPI; ++j) {{
+        float part = 0.0f;
+        for (int i = 0; i < DPL; ++i) part += qv[g][i] * kv[j][i];
+        s[j] = WARP_SUM(part);
+        if (kb + j < k_end) smax = MAXF(smax, s[j]);
+      }}
+      const float m_new = MAXF(m[g], smax);
+      const float alpha = EXP(m[g] - m_new);
+      float psum = 0.0f;
+      for (int i = 0; i < DPL; ++i) acc[g][i] *= alpha;
+      for (int j = 0; j < KPI; ++j) {{
+        const float p = (kb + j < k_end) ? EXP(s[j] - m_new) : 0.0f;
+        psum += p;
+        for (int i = 0; i < DPL; ++i) acc[g][i] += p * vv[j][i];
+      }}
+      l[g] = l[g] * alpha + psum;
+      m[g] = m_new;
+    }}
+  }}
+
+  // Merge the warps' online softmaxes, one head at a time (bounded shared memory).
+  SHARED float sm_ml[NSG * G * 2];
+  SHARED float sm_o[NSG * D];
+  if (lane == 0) {{
+    for (int g = 0; g < G; ++g) {{
+      sm_ml[(warp * G + g) * 2] = m[g];
+      sm_ml[(warp * G + g) * 2 + 1] = l[g];
+    }}
+  }}
+  BARRIER();
+  for (int g = 0; g < G; ++g) {{
+    float M = NEG_BIG;
+    for (int w = 0; w < NSG; ++w) M = MAXF(M, sm_ml[(w * G + g) * 2]);
+    float L = 0.0f;
+    for (int w = 0; w < NSG; ++w) L += sm_ml[(w * G + g) * 2 + 1] * EXP(sm_ml[(w * G + g) * 2] - M);
+    const float f = EXP(m[g] - M);
+    for (int i = 0; i < DPL; ++i) sm_o[warp * D + i * 32 + lane] = acc[g][i] * f;
+    BARRIER();
+    const int h = kvh * G + g;
+    for (int d = tid; d < D; d += NSG * 32) {{
+      float o = 0.0f;
+      for (int w = 0; w < NSG; ++w) o += sm_o[w * D + d];
+      {store}
+    }}
+    BARRIER();
+  }}
+"""
+
+# Where a decode threadgroup's merged row goes: straight to the output, or to the split partials.
+_DECODE_STORE_FINAL = "out[((INDEX)q_row * H + h) * D + d] = static_cast<T>(o / L);"
+_DECODE_STORE_SPLIT = """const INDEX ph = ((INDEX)q_row * H + h) * num_splits + split;
+      part_o[ph * D + d] = o;
+      if (d == 0) {{ part_ml[ph * 2] = M; part_ml[ph * 2 + 1] = L; }}"""
+
+# --- split-KV reduce ------------------------------------------------------------------------
+
+_REDUCE_BODY = """
+  // One thread per (query row, head, d); D threads per threadgroup.
+  const INDEX idx = (INDEX)tg_id * D + tid;
+  const INDEX rh = (INDEX)tg_id;
+  float M = NEG_BIG;
+  for (int s = 0; s < num_splits; ++s) M = MAXF(M, part_ml[(rh * num_splits + s) * 2]);
+  float L = 0.0f;
+  float o = 0.0f;
+  for (int s = 0; s < num_splits; ++s) {{
+    const INDEX ps = rh * num_splits + s;
+    const float w = EXP(part_ml[ps * 2] - M);  // empty partitions have l == 0, o == 0
+    L += part_ml[ps * 2 + 1] * w;
+    o += part_o[ps * D + tid] * w;
+  }}
+  out[idx] = static_cast<T>(o / L);
+"""
+
+# --- prefill / mixed ------------------------------------------------------------------------
+
+_PREFILL_BODY = """
+  constexpr int BK = {key_tile};
+  constexpr int BQ = {tile_tokens};  // query tokens per tile; rows = BQ * G (token-major)
+  constexpr int ROWS = BQ * G;
+  constexpr int RPW = (ROWS + NSG - 1) / NSG;
+  constexpr int KSTRIDE = D + 2;  // K row pitch in shared memory: no bank conflicts below
+
+  const int kvh = tg_id % KVH;
+  const int tile = tg_id / KVH;
+  // Find the request owning this tile: the last r with cu_seqlens_q[r] / BQ + r <= tile.
+  int lo_r = 0;
+  int hi_r = num_reqs;
+  while (lo_r < hi_r) {{
+    const int mid = (lo_r + hi_r) / 2;
+    if (cu_seqlens_q[mid] / BQ + mid <= tile) lo_r = mid + 1; else hi_r = mid;
+  }}
+  const int r = lo_r - 1;
+  const int q0 = cu_seqlens_q[r];
+  const int q_len = cu_seqlens_q[r + 1] - q0;
+  const int q_start = (tile - (q0 / BQ + r)) * BQ;
+  if (q_start >= q_len) return;  // the request's spare tile: whole threadgroup leaves together
+  const int ctx = seq_lens[r];
+  const int q_count = MINI(BQ, q_len - q_start);
+  const int pos0 = ctx - q_len + q_start;  // position of the tile's first query
+  const int k_lo = window > 0 ? MAXI(0, pos0 - window + 1) : 0;
+  const int k_hi = pos0 + q_count;  // exclusive: causal
+
+  SHARED float sq[ROWS * D];
+  SHARED float sk[BK * KSTRIDE];
+  SHARED float sv[BK * D];
+  for (int e = tid; e < ROWS * D; e += NSG * 32) {{
+    const int row = e / D;
+    const int d = e % D;
+    const int t = row / G;
+    const int g = row % G;
+    sq[e] = t < q_count
+        ? static_cast<float>(q[((INDEX)(q0 + q_start + t) * H + kvh * G + g) * D + d]) * qk_scale
+        : 0.0f;
+  }}
+
+  float acc[RPW][DPL];
+  float m[RPW];
+  float l[RPW];
+  for (int rr = 0; rr < RPW; ++rr) {{
+    m[rr] = NEG_BIG;
+    l[rr] = 0.0f;
+    for (int i = 0; i < DPL; ++i) acc[rr][i] = 0.0f;
+  }}
+
+  const GLOBAL int* table = block_tables + (INDEX)r * max_blocks;
+  const int kj = lane % BK;   // score phase: this lane's key in the tile
+  const int half = lane / BK; // ... and which interleaved half of the head dim it sums
+  for (int kt = k_lo; kt < k_hi; kt += BK) {{
+    BARRIER();  // the previous tile is no longer read
+    for (int e = tid; e < BK * D; e += NSG * 32) {{
+      const int j = e / D;
+      const int d = e % D;
+      const int k = kt + j;
+      float kx = 0.0f;
+      float vx = 0.0f;
+      if (k < k_hi) {{
+        const INDEX base = (((INDEX)table[k / BS] * BS + k % BS) * KVH + kvh) * D + d;
+        kx = static_cast<float>(k_pool[base]);
+        vx = static_cast<float>(v_pool[base]);
+      }}
+      sk[j * KSTRIDE + d] = kx;
+      sv[j * D + d] = vx;
+    }}
+    BARRIER();
+    for (int rr = 0; rr < RPW; ++rr) {{
+      const int row = warp * RPW + rr;
+      if (row < ROWS) {{  // warp-uniform; an `if` (not `break`) keeps acc[] in registers
+      const int t = row / G;
+      const int pos = pos0 + t;
+      float s = 0.0f;
+      for (int i = 0; i < D / 2; ++i) s += sq[row * D + 2 * i + half] * sk[kj * KSTRIDE + 2 * i + half];
+      s += SHFL_XOR(s, 16);
+      const int k = kt + kj;
+      const bool visible = t < q_count && k <= pos && k < k_hi && (window <= 0 || pos - k < window);
+      float tmax = visible ? s : NEG_BIG;
+      for (int o = BK / 2; o > 0; o >>= 1) tmax = MAXF(tmax, SHFL_XOR(tmax, o));
+      const float m_new = MAXF(m[rr], tmax);
+      const float p = visible ? EXP(s - m_new) : 0.0f;
+      float psum = p;
+      for (int o = BK / 2; o > 0; o >>= 1) psum += SHFL_XOR(psum, o);
+      const float alpha = EXP(m[rr] - m_new);
+      l[rr] = l[rr] * alpha + psum;
+      m[rr] = m_new;
+      for (int i = 0; i < DPL; ++i) acc[rr][i] *= alpha;
+      for (int j = 0; j < BK; ++j) {{
+        const float pj = SHFL(p, j);
+        for (int i = 0; i < DPL; ++i) acc[rr][i] += pj * sv[j * D + i * 32 + lane];
+      }}
+      }}
+    }}
+  }}
+
+  for (int rr = 0; rr < RPW; ++rr) {{
+    const int row = warp * RPW + rr;
+    const int t = row / G;
+    const int g = row % G;
+    if (row >= ROWS || t >= q_count) continue;
+    const INDEX obase = ((INDEX)(q0 + q_start + t) * H + kvh * G + g) * D;
+    const float inv = 1.0f / l[rr];
+    for (int i = 0; i < DPL; ++i) out[obase + i * 32 + lane] = static_cast<T>(acc[rr][i] * inv);
+  }}
+"""
+
+
+# --- source generation ----------------------------------------------------------------------
+
+def prefill_tile_tokens(gqa: int) -> int:
+    """Query tokens per prefill tile: PREFILL_ROWS rows of (token, head) per threadgroup."""
+    return max(1, PREFILL_ROWS // gqa)
+
+
+def kernel_source(kind: str, backend: str, head_dim: int, gqa: int) -> tuple[str, str]:
+    """(header, body) of one kernel for one backend. `kind`: decode, decode_split, reduce, prefill."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}")
+    fields = dict(
+        head_dim=head_dim, gqa=gqa, warps=WARPS, keys_per_step=KEYS_PER_WARP_STEP,
+        key_tile=PREFILL_KEY_TILE, tile_tokens=prefill_tile_tokens(gqa),
+        p_num_reqs=P_NUM_REQS, p_max_blocks=P_MAX_BLOCKS, p_block_size=P_BLOCK_SIZE,
+        p_window=P_WINDOW, p_partition=P_PARTITION, p_num_splits=P_NUM_SPLITS,
+    )
+    if kind == "decode":
+        body = _DECODE_BODY.replace("{store}", _DECODE_STORE_FINAL)
+    elif kind == "decode_split":
+        body = _DECODE_BODY.replace("{store}", _DECODE_STORE_SPLIT)
+    elif kind == "reduce":
+        body = _REDUCE_BODY
+    elif kind == "prefill":
+        body = _PREFILL_BODY
+    else:
+        raise ValueError(f"unknown kernel {kind!r}")
+    source = _PROLOGUE[backend] + _CONSTANTS.format(**fields) + body.format(**fields)
+    return _MACROS[backend] + _COMMON_MACROS, source
+
+
+_INPUTS = {
+    "decode": ["q", "k_pool", "v_pool", "cu_seqlens_q", "seq_lens", "block_tables", "params", "scale", "k_pool_kvh"],
+    "prefill": ["q", "k_pool", "v_pool", "cu_seqlens_q", "seq_lens", "block_tables", "params", "scale", "k_pool_kvh"],
+    "reduce": ["part_o", "part_ml", "params", "scale", "k_pool_kvh"],
+}
+_INPUTS["decode_split"] = _INPUTS["decode"]
+_OUTPUTS = {"decode": ["out"], "decode_split": ["part_o", "part_ml"], "reduce": ["out"], "prefill": ["out"]}
+
+
+@lru_cache(maxsize=None)
+def build_kernel(kind: str, backend: str, head_dim: int, gqa: int):
+    header, source = kernel_source(kind, backend, head_dim, gqa)
+    name = f"paged_attn_{kind}_d{head_dim}_g{gqa}"
+    make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
+    return make(name=name, input_names=_INPUTS[kind], output_names=_OUTPUTS[kind], source=source, header=header)
+
+
+# --- planning (pure Python) -----------------------------------------------------------------
+
+# Enough threadgroups to keep every SM / GPU core busy with a few resident groups each.
+TARGET_THREADGROUPS = 512
+MIN_PARTITION = 256
+
+
+def plan_decode_splits(num_reqs: int, kv_heads: int, max_ctx: int,
+                       target: int = TARGET_THREADGROUPS, min_partition: int = MIN_PARTITION) -> tuple[int, int]:
+    """(num_splits, partition tokens) for a decode batch.
+
+    Split the context only when (request, kv head) pairs alone cannot fill the GPU, and never into
+    partitions so short that the merge pass costs more than the parallelism buys.
+    """
+    groups = max(1, num_reqs * kv_heads)
+    if groups >= target or max_ctx <= min_partition:
+        return 1, max(1, max_ctx)
+    want = -(-target // groups)
+    partition = max(min_partition, -(-max_ctx // want))
+    partition = -(-partition // 64) * 64  # round to whole warp steps
+    return -(-max_ctx // partition), partition
+
+
+def prefill_num_tiles(num_tokens: int, num_reqs: int, gqa: int) -> int:
+    """Tiles launched for a packed batch: request r's tiles start at cu_seqlens_q[r] // BQ + r."""
+    return num_tokens // prefill_tile_tokens(gqa) + num_reqs
+
+
+def tile_request(cu_seqlens_q: list[int], tile: int, tile_tokens: int) -> tuple[int, int]:
+    """Python mirror of the prefill kernel's binary search: (request, first query row) of a tile,
+    or (request, -1) for a request's spare tile. Kept for tests and for reading the kernel."""
+    lo, hi = 0, len(cu_seqlens_q) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if cu_seqlens_q[mid] // tile_tokens + mid <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    r = lo - 1
+    q_start = (tile - (cu_seqlens_q[r] // tile_tokens + r)) * tile_tokens
+    q_len = cu_seqlens_q[r + 1] - cu_seqlens_q[r]
+    return r, (cu_seqlens_q[r] + q_start if q_start < q_len else -1)
+
+
+@dataclass
+class _StepArrays:
+    """Per-step kernel inputs, built once per step and shared by every layer."""
+
+    params: mx.array
+    scale: mx.array
+    kvh: mx.array
+
+
+def _step_arrays(meta: AttentionMetadata, scale: float, kv_heads: int, window, partition, splits) -> _StepArrays:
+    # The metadata object lives for one step and is shared by all layers: caching the small
+    # parameter arrays on it saves a host->device copy per layer.
+    cache = meta.__dict__.setdefault("_paged_attention_cache", {})
+    key = (float(scale), kv_heads, window, partition, splits)
+    if key not in cache:
+        params = [0] * 6
+        params[P_NUM_REQS] = len(meta.seq_lens_host)
+        params[P_MAX_BLOCKS] = meta.block_tables.shape[1]
+        params[P_BLOCK_SIZE] = meta.block_size
+        params[P_WINDOW] = window or 0
+        params[P_PARTITION] = partition
+        params[P_NUM_SPLITS] = splits
+        cache[key] = _StepArrays(
+            mx.array(params, dtype=mx.int32), mx.array([scale], dtype=mx.float32), mx.array([kv_heads], dtype=mx.int32)
+        )
+    return cache[key]
+
+
+# --- entry point ----------------------------------------------------------------------------
+
+def supports(q, k_pool) -> bool:
+    """Shapes the kernels handle; anything else goes to the reference."""
+    head_dim, heads, kv_heads = q.shape[2], q.shape[1], k_pool.shape[2]
+    return (head_dim % 32 == 0 and head_dim <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 16
+            and q.dtype in (mx.float32, mx.bfloat16, mx.float16))
+
+
+def paged_attention_kernel(q, k_pool, v_pool, meta: AttentionMetadata, scale: float, sliding_window=None,
+                           backend: str = "metal"):
+    """The fast path behind `metal_cluster.kernels.paged_attention` (same contract)."""
+    total_q, heads, head_dim = q.shape
+    kv_heads = k_pool.shape[2]
+    gqa = heads // kv_heads
+    num_reqs = len(meta.seq_lens_host)
+    window = sliding_window if sliding_window else 0
+    if total_q == num_reqs and all(n == 1 for n in meta.query_lens_host):
+        return _decode(q, k_pool, v_pool, meta, scale, window, backend, num_reqs, kv_heads, gqa)
+    step = _step_arrays(meta, scale, kv_heads, window, 0, 1)
+    tiles = prefill_num_tiles(total_q, num_reqs, gqa)
+    kernel = build_kernel("prefill", backend, head_dim, gqa)
+    return kernel(
+        inputs=[q, k_pool, v_pool, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, step.params, step.scale, step.kvh],
+        template=[("T", q.dtype)],
+        grid=(tiles * kv_heads * THREADS, 1, 1),
+        threadgroup=(THREADS, 1, 1),
+        output_shapes=[q.shape],
+        output_dtypes=[q.dtype],
+    )[0]
+
+
+def _decode(q, k_pool, v_pool, meta, scale, window, backend, num_reqs, kv_heads, gqa):
+    head_dim = q.shape[2]
+    # Partitions cover absolute positions; with a sliding window the early ones are simply empty.
+    max_ctx = max(meta.seq_lens_host)
+    splits, partition = plan_decode_splits(num_reqs, kv_heads, max_ctx)
+    step = _step_arrays(meta, scale, kv_heads, window, partition, splits)
+    inputs = [q, k_pool, v_pool, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, step.params, step.scale, step.kvh]
+    groups = num_reqs * kv_heads * splits
+    if splits == 1:
+        return build_kernel("decode", backend, head_dim, gqa)(
+            inputs=inputs, template=[("T", q.dtype)], grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+            output_shapes=[q.shape], output_dtypes=[q.dtype],
+        )[0]
+    rows = num_reqs * q.shape[1]
+    part_o, part_ml = build_kernel("decode_split", backend, head_dim, gqa)(
+        inputs=inputs, template=[("T", q.dtype)], grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(rows * splits, head_dim), (rows * splits, 2)], output_dtypes=[mx.float32, mx.float32],
+    )
+    return build_kernel("reduce", backend, head_dim, gqa)(
+        inputs=[part_o, part_ml, step.params, step.scale, step.kvh], template=[("T", q.dtype)],
+        grid=(rows * head_dim, 1, 1), threadgroup=(head_dim, 1, 1),
+        output_shapes=[q.shape], output_dtypes=[q.dtype],
+    )[0]
+
+
+__all__ = [
+    "BACKENDS", "build_kernel", "kernel_source", "paged_attention_kernel", "plan_decode_splits",
+    "prefill_num_tiles", "prefill_tile_tokens", "supports", "tile_request",
+]

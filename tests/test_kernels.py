@@ -1,0 +1,182 @@
+"""Paged attention kernels (Metal / CUDA) against the MLX-ops reference.
+
+The kernel comparisons need a GPU (Metal on a Mac, CUDA on NVIDIA) and skip elsewhere; the pure
+Python parts (split planner, tile search, per-backend source generation, CPU dispatch) run anywhere.
+"""
+
+import importlib
+import random
+import zlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from metal_cluster.kernels import AttentionMetadata, gpu_backend, paged_attention, paged_attention_reference
+
+pa = importlib.import_module("metal_cluster.kernels.paged_attention")
+
+BACKEND = gpu_backend()
+requires_gpu = pytest.mark.skipif(
+    BACKEND is None,
+    reason="no Metal or CUDA GPU: MLX runs on its CPU backend here, where paged_attention uses the reference",
+)
+
+
+# --- building random paged batches --------------------------------------------------------
+
+def make_batch(seed, specs, heads, kv_heads, head_dim, block_size, dtype, spare_blocks=7):
+    """specs: [(query_len, context_len)] per request. Block ids are shuffled and non-contiguous."""
+    rng = random.Random(seed)
+    need = [-(-ctx // block_size) for _, ctx in specs]
+    num_blocks = 1 + sum(need) + spare_blocks
+    ids = list(range(1, num_blocks))  # block 0 is the null block
+    rng.shuffle(ids)
+    tables, at = [], 0
+    for n in need:
+        tables.append(ids[at : at + n])
+        at += n
+    width = max(need)
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    key = mx.random.key(seed)
+    kq, kk, kv = mx.random.split(key, 3)
+    total_q = sum(n for n, _ in specs)
+    q = mx.random.normal((total_q, heads, head_dim), key=kq).astype(dtype)
+    flat_shape = (num_blocks * block_size, kv_heads, head_dim)
+    k_pool = mx.random.normal(flat_shape, key=kk).astype(dtype).reshape(num_blocks, block_size, kv_heads, head_dim)
+    v_pool = mx.random.normal(flat_shape, key=kv).astype(dtype).reshape(num_blocks, block_size, kv_heads, head_dim)
+    cu = [0]
+    for n, _ in specs:
+        cu.append(cu[-1] + n)
+    meta = AttentionMetadata(
+        cu_seqlens_q=mx.array(cu, dtype=mx.int32),
+        seq_lens=mx.array([c for _, c in specs], dtype=mx.int32),
+        block_tables=mx.array(padded, dtype=mx.int32),
+        block_size=block_size,
+        query_lens_host=[n for n, _ in specs],
+        seq_lens_host=[c for _, c in specs],
+    )
+    mx.eval(q, k_pool, v_pool)
+    return q, k_pool, v_pool, meta
+
+
+def reference_f32(q, k_pool, v_pool, meta, scale, window):
+    """The oracle in float32 on the CPU, from the same (possibly bf16-rounded) inputs."""
+    with mx.stream(mx.cpu):
+        f32 = [a.astype(mx.float32) for a in (q, k_pool, v_pool)]
+        out = paged_attention_reference(*f32, meta, scale, window)
+        mx.eval(out)
+    return np.array(out)
+
+
+TOLERANCE = {mx.float32: dict(atol=3e-4, rtol=2e-3), mx.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+# (id, specs [(q_len, ctx)], heads, kv_heads, head_dim, block_size, dtype, window)
+CASES = [
+    ("decode-mha-d64-bs8", [(1, c) for c in (1, 7, 8, 9, 63, 300, 1000)], 4, 4, 64, 8, mx.float32, None),
+    ("decode-gqa2-d128-bs16-batch64", [(1, 1 + (i * 97) % 2048) for i in range(64)], 16, 8, 128, 16, mx.bfloat16, None),
+    ("decode-split-gqa4-d128-bs32-4k", [(1, 4096)], 16, 4, 128, 32, mx.float32, None),
+    ("decode-split-gqa2-d128-bs16", [(1, 3000), (1, 17), (1, 4096)], 16, 8, 128, 16, mx.bfloat16, None),
+    ("decode-split-gqa8-d64-bs16-window", [(1, 4000), (1, 600), (1, 1)], 16, 2, 64, 16, mx.bfloat16, 512),
+    ("decode-window-mha-d64-bs32", [(1, c) for c in (5, 100, 2500)], 8, 8, 64, 32, mx.float32, 64),
+    ("prefill-gqa2-d128-bs16", [(1000, 1000)], 16, 8, 128, 16, mx.bfloat16, None),
+    ("prefill-chunk-mha-d128-bs16", [(512, 4096), (300, 300)], 4, 4, 128, 16, mx.float32, None),
+    ("mixed-gqa4-d64-bs8", [(37, 300), (1, 4096), (1, 1), (128, 128), (5, 2000), (1, 33)], 8, 2, 64, 8, mx.float32, None),
+    ("mixed-gqa8-d128-bs32-window", [(200, 900), (1, 3000), (64, 64), (3, 1500)], 16, 2, 128, 32, mx.bfloat16, 256),
+    ("mixed-gqa1-d64-bs16-bf16", [(17, 17), (1, 250), (90, 400)], 2, 2, 64, 16, mx.bfloat16, None),
+    ("mixed-gqa2-d64-bs32-window", [(33, 700), (1, 1), (260, 260)], 4, 2, 64, 32, mx.float32, 100),
+]
+
+
+@requires_gpu
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_kernel_matches_reference(case):
+    name, specs, heads, kv_heads, head_dim, block_size, dtype, window = case
+    q, k_pool, v_pool, meta = make_batch(zlib.crc32(name.encode()), specs, heads, kv_heads, head_dim, block_size, dtype)
+    scale = head_dim ** -0.5
+    out = paged_attention(q, k_pool, v_pool, meta, scale, window)
+    mx.eval(out)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    got = np.array(out.astype(mx.float32))
+    want = reference_f32(q, k_pool, v_pool, meta, scale, window)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, **TOLERANCE[dtype])
+
+
+@requires_gpu
+def test_random_shapes_against_reference():
+    """Random mixed batches over the whole grid of GQA ratios, head dims and block sizes."""
+    rng = random.Random(1234)
+    for trial in range(16):
+        gqa = rng.choice([1, 2, 4, 8])
+        kv_heads = rng.choice([1, 2, 4])
+        head_dim = rng.choice([64, 128])
+        block_size = rng.choice([8, 16, 32])
+        dtype = rng.choice([mx.float32, mx.bfloat16])
+        window = rng.choice([None, None, rng.randint(1, 600)])
+        specs = []
+        for _ in range(rng.randint(1, 6)):
+            ctx = rng.randint(1, 4096)
+            q_len = rng.choice([1, 1, rng.randint(1, min(ctx, 300))])
+            specs.append((q_len, ctx))
+        q, k_pool, v_pool, meta = make_batch(trial, specs, gqa * kv_heads, kv_heads, head_dim, block_size, dtype)
+        scale = head_dim ** -0.5
+        out = paged_attention(q, k_pool, v_pool, meta, scale, window)
+        want = reference_f32(q, k_pool, v_pool, meta, scale, window)
+        np.testing.assert_allclose(np.array(out.astype(mx.float32)), want, err_msg=f"trial {trial}: {specs}",
+                                   **TOLERANCE[dtype])
+
+
+# --- pure Python: runs everywhere ---------------------------------------------------------
+
+def test_split_planner_keeps_big_batches_whole():
+    assert pa.plan_decode_splits(num_reqs=64, kv_heads=8, max_ctx=4096) == (1, 4096)
+    assert pa.plan_decode_splits(num_reqs=1, kv_heads=8, max_ctx=100) == (1, 100)
+
+
+@pytest.mark.parametrize("num_reqs,kv_heads,max_ctx", [(1, 8, 4096), (2, 2, 4000), (4, 8, 1000), (1, 1, 65536)])
+def test_split_planner_fills_the_gpu(num_reqs, kv_heads, max_ctx):
+    splits, partition = pa.plan_decode_splits(num_reqs, kv_heads, max_ctx)
+    assert splits > 1
+    assert partition % 64 == 0 and partition >= pa.MIN_PARTITION
+    assert splits * partition >= max_ctx > (splits - 1) * partition  # no empty trailing split
+    # Not wildly more threadgroups than needed.
+    assert num_reqs * kv_heads * splits <= 2 * pa.TARGET_THREADGROUPS
+
+
+@pytest.mark.parametrize("gqa", [1, 2, 4, 8, 3])
+def test_prefill_tiles_cover_each_query_once(gqa):
+    rng = random.Random(gqa)
+    bq = pa.prefill_tile_tokens(gqa)
+    q_lens = [rng.choice([0, 1, 1, bq - 1, bq, bq + 1, rng.randint(1, 100)]) for _ in range(20)]
+    cu = [0]
+    for n in q_lens:
+        cu.append(cu[-1] + n)
+    covered = []
+    for tile in range(pa.prefill_num_tiles(cu[-1], len(q_lens), gqa)):
+        r, first = pa.tile_request(cu, tile, bq)
+        if first >= 0:
+            assert cu[r] <= first < cu[r + 1]
+            covered.extend(range(first, min(first + bq, cu[r + 1])))
+    assert covered == list(range(cu[-1]))
+
+
+@pytest.mark.parametrize("kind", ["decode", "decode_split", "reduce", "prefill"])
+def test_one_body_two_backends(kind):
+    metal_header, metal = pa.kernel_source(kind, "metal", 128, 2)
+    cuda_header, cuda = pa.kernel_source(kind, "cuda", 128, 2)
+    assert "threadgroup_position_in_grid" in metal and "blockIdx" not in metal
+    assert "blockIdx" in cuda and "threadgroup_position_in_grid" not in cuda
+    assert "simd_sum" in metal_header and "__shfl_xor_sync" in cuda_header
+    # Past the per-backend prologue, the kernel body is the very same text.
+    assert metal.replace(pa._PROLOGUE["metal"], "") == cuda.replace(pa._PROLOGUE["cuda"], "")
+    assert "{" in metal and "{{" not in metal  # format() consumed every placeholder
+
+
+def test_cpu_dispatch_is_the_reference():
+    if BACKEND is not None:
+        pytest.skip("a GPU backend is active: the kernels are tested above")
+    q, k_pool, v_pool, meta = make_batch(0, [(3, 20), (1, 9)], 4, 2, 64, 8, mx.float32)
+    out = paged_attention(q, k_pool, v_pool, meta, 0.125, None)
+    ref = paged_attention_reference(q, k_pool, v_pool, meta, 0.125, None)
+    assert mx.array_equal(out, ref)

@@ -122,8 +122,15 @@ def worker(
     host: str = typer.Option("127.0.0.1", help="Address the stage's gRPC service listens on."),
     port: int = typer.Option(7760, help="gRPC port."),
     ring_port: int = typer.Option(None, help="Port of the MLX ring data plane. Default: gRPC port + 1."),
+    cluster_token: str = typer.Option(None, help="Shared secret (else $METAL_CLUSTER_TOKEN, else the token file)."),
 ):
     """Run a stage-worker daemon: it waits for a coordinator to assign it layers."""
+    from metal_cluster.stage_worker.auth import TOKEN_ENV, resolve_token
+
+    token = resolve_token(cluster_token)
+    if not token:
+        fail(f"no cluster token: run `metal-cluster token` once and copy the file to every host, "
+             f"or pass --cluster-token / set {TOKEN_ENV}")
     blas.use_openblas_if_present()
     import logging
 
@@ -131,9 +138,18 @@ def worker(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        serve_stage(host, port, ring_port or port + 1)
+        serve_stage(host, port, ring_port or port + 1, token)
     except OSError as e:
         fail(str(e))
+
+
+@app.command()
+def token():
+    """Create the cluster token file (once) and print its path and token: copy it to every host."""
+    from metal_cluster.stage_worker.auth import create_token_file
+
+    path, secret = create_token_file()
+    typer.echo(f"{path}\n{secret}")
 
 
 @app.command()

@@ -3,6 +3,7 @@ single-machine form of a cluster (loopback gRPC and ring)."""
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -11,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from metal_cluster.coordinator.blas import openblas_env
+from metal_cluster.stage_worker.auth import TOKEN_ENV
 
 START_TIMEOUT_S = 120
 
@@ -46,12 +48,15 @@ def started(count: int, memory_utilization: float):
         return
     ports = _free_ports(2 * count)
     procs, addresses = [], []
+    # Local workers get a fresh secret of their own; the executor finds it in the environment.
+    token = os.environ.setdefault(TOKEN_ENV, secrets.token_urlsafe(24))
     try:
         for k in range(count):
             grpc_port, ring_port = ports[2 * k], ports[2 * k + 1]
             cmd = [sys.executable, "-m", "metal_cluster.coordinator", "worker", "--host", "127.0.0.1",
                    "--port", str(grpc_port), "--ring-port", str(ring_port)]
-            procs.append(subprocess.Popen(cmd, env=openblas_env(), start_new_session=True))
+            env = {**openblas_env(), TOKEN_ENV: token}
+            procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
             addresses.append(f"127.0.0.1:{grpc_port}")
         _wait_ready(procs, addresses)
         print(f"metal-cluster: {count} local stage workers up: {', '.join(addresses)}", file=sys.stderr, flush=True)

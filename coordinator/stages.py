@@ -13,6 +13,7 @@ import grpc
 
 from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.proto import cluster_pb2_grpc as pb_grpc
+from metal_cluster.stage_worker.auth import call_metadata, resolve_token
 
 MAX_MESSAGE = 256 * 1024 * 1024
 
@@ -54,9 +55,10 @@ class LocalStage:
 
 
 class RemoteStage:
-    def __init__(self, address: str, timeout_s: float = 600):
+    def __init__(self, address: str, token: str | None = None, timeout_s: float = 600):
         self.name = address
         self.timeout_s = timeout_s
+        self.metadata = call_metadata(token if token is not None else resolve_token())
         self.channel = grpc.insecure_channel(
             address,
             options=[("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)],
@@ -65,7 +67,7 @@ class RemoteStage:
 
     def _call(self, method, req, timeout=None):
         try:
-            return method(req, timeout=timeout or self.timeout_s)
+            return method(req, timeout=timeout or self.timeout_s, metadata=self.metadata)
         except grpc.RpcError as e:
             raise StageCallError(f"stage {self.name}: {e.details() or e.code().name}") from None
 
@@ -83,7 +85,7 @@ class RemoteStage:
 
     def submit(self, req) -> Future:
         out = Future()
-        call = self.stub.Step.future(req, timeout=self.timeout_s)
+        call = self.stub.Step.future(req, timeout=self.timeout_s, metadata=self.metadata)
 
         def done(c):
             try:

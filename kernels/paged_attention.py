@@ -51,7 +51,8 @@ _MACROS = {
 #define BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
 #define WARP_SUM(x) simd_sum(x)
 #define SHFL_XOR(x, m) simd_shuffle_xor((x), (ushort)(m))
-#define SHFL(x, i) simd_shuffle((x), (ushort)(i))
+#define WARP_BARRIER() simdgroup_barrier(mem_flags::mem_threadgroup)
+#define UNROLL _Pragma("clang loop unroll(full)")
 #define EXP(x) metal::fast::exp(x)
 #define INDEX long
 #define GLOBAL device
@@ -61,7 +62,8 @@ _MACROS = {
 #define BARRIER() __syncthreads()
 #define WARP_SUM(x) pa_warp_sum(x)
 #define SHFL_XOR(x, m) __shfl_xor_sync(0xffffffffu, (x), (m))
-#define SHFL(x, i) __shfl_sync(0xffffffffu, (x), (i))
+#define WARP_BARRIER() __syncwarp()
+#define UNROLL _Pragma("unroll")
 #define EXP(x) __expf(x)
 #define INDEX long long
 #define GLOBAL
@@ -143,7 +145,7 @@ _DECODE_BODY = """
     // Load KPI keys (and their values) before any reduction, so their latencies overlap.
     float kv[KPI][DPL];
     float vv[KPI][DPL];
-    for (int j = 0; j < KPI; ++j) {{
+    UNROLL for (int j = 0; j < KPI; ++j) {{
       const int k = kb + j;
       if (k < k_end) {{
         const INDEX base = (((INDEX)table[k / BS] * BS + k % BS) * KVH + kvh) * D;
@@ -253,16 +255,18 @@ _PREFILL_BODY = """
   const int q0 = cu_seqlens_q[r];
   const int q_len = cu_seqlens_q[r + 1] - q0;
   const int q_start = (tile - (q0 / BQ + r)) * BQ;
-  if (q_start >= q_len) return;  // the request's spare tile: whole threadgroup leaves together
+  // A request's spare tile (q_start >= q_len) gets no queries and no keys, but still runs to the
+  // end: no thread leaves before the barriers and warp collectives below.
   const int ctx = seq_lens[r];
-  const int q_count = MINI(BQ, q_len - q_start);
+  const int q_count = MAXI(0, MINI(BQ, q_len - q_start));
   const int pos0 = ctx - q_len + q_start;  // position of the tile's first query
   const int k_lo = window > 0 ? MAXI(0, pos0 - window + 1) : 0;
-  const int k_hi = pos0 + q_count;  // exclusive: causal
+  const int k_hi = q_count > 0 ? pos0 + q_count : k_lo;  // exclusive: causal
 
   SHARED float sq[ROWS * D];
   SHARED float sk[BK * KSTRIDE];
   SHARED float sv[BK * D];
+  SHARED float sp[NSG * BK];  // each warp's probabilities for the current key tile
   for (int e = tid; e < ROWS * D; e += NSG * 32) {{
     const int row = e / D;
     const int d = e % D;
@@ -276,7 +280,7 @@ _PREFILL_BODY = """
   float acc[RPW][DPL];
   float m[RPW];
   float l[RPW];
-  for (int rr = 0; rr < RPW; ++rr) {{
+  UNROLL for (int rr = 0; rr < RPW; ++rr) {{
     m[rr] = NEG_BIG;
     l[rr] = 0.0f;
     for (int i = 0; i < DPL; ++i) acc[rr][i] = 0.0f;
@@ -302,7 +306,7 @@ _PREFILL_BODY = """
       sv[j * D + d] = vx;
     }}
     BARRIER();
-    for (int rr = 0; rr < RPW; ++rr) {{
+    UNROLL for (int rr = 0; rr < RPW; ++rr) {{
       const int row = warp * RPW + rr;
       if (row < ROWS) {{  // warp-uniform; an `if` (not `break`) keeps acc[] in registers
       const int t = row / G;
@@ -321,16 +325,19 @@ _PREFILL_BODY = """
       const float alpha = EXP(m[rr] - m_new);
       l[rr] = l[rr] * alpha + psum;
       m[rr] = m_new;
-      for (int i = 0; i < DPL; ++i) acc[rr][i] *= alpha;
+      UNROLL for (int i = 0; i < DPL; ++i) acc[rr][i] *= alpha;
+      WARP_BARRIER();  // the previous row's probabilities have been read
+      if (lane < BK) sp[warp * BK + lane] = p;
+      WARP_BARRIER();
       for (int j = 0; j < BK; ++j) {{
-        const float pj = SHFL(p, j);
-        for (int i = 0; i < DPL; ++i) acc[rr][i] += pj * sv[j * D + i * 32 + lane];
+        const float pj = sp[warp * BK + j];
+        UNROLL for (int i = 0; i < DPL; ++i) acc[rr][i] += pj * sv[j * D + i * 32 + lane];
       }}
       }}
     }}
   }}
 
-  for (int rr = 0; rr < RPW; ++rr) {{
+  UNROLL for (int rr = 0; rr < RPW; ++rr) {{
     const int row = warp * RPW + rr;
     const int t = row / G;
     const int g = row % G;
@@ -392,13 +399,14 @@ def build_kernel(kind: str, backend: str, head_dim: int, gqa: int):
 
 # --- planning (pure Python) -----------------------------------------------------------------
 
-# Enough threadgroups to keep every SM / GPU core busy with a few resident groups each.
-TARGET_THREADGROUPS = 512
+# Enough threadgroups to keep every SM / GPU core busy with several resident groups each (an
+# H200 has 132 SMs; Apple GPUs have 10-80 cores). Below this, decode splits the context.
+TARGET_THREADGROUPS = {"cuda": 2048, "metal": 512}
 MIN_PARTITION = 256
 
 
 def plan_decode_splits(num_reqs: int, kv_heads: int, max_ctx: int,
-                       target: int = TARGET_THREADGROUPS, min_partition: int = MIN_PARTITION) -> tuple[int, int]:
+                       target: int = TARGET_THREADGROUPS["metal"], min_partition: int = MIN_PARTITION) -> tuple[int, int]:
     """(num_splits, partition tokens) for a decode batch.
 
     Split the context only when (request, kv head) pairs alone cannot fill the GPU, and never into
@@ -498,7 +506,7 @@ def _decode(q, k_pool, v_pool, meta, scale, window, backend, num_reqs, kv_heads,
     head_dim = q.shape[2]
     # Partitions cover absolute positions; with a sliding window the early ones are simply empty.
     max_ctx = max(meta.seq_lens_host)
-    splits, partition = plan_decode_splits(num_reqs, kv_heads, max_ctx)
+    splits, partition = plan_decode_splits(num_reqs, kv_heads, max_ctx, TARGET_THREADGROUPS[backend])
     step = _step_arrays(meta, scale, kv_heads, window, partition, splits)
     inputs = [q, k_pool, v_pool, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, step.params, step.scale, step.kvh]
     groups = num_reqs * kv_heads * splits

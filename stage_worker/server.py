@@ -9,6 +9,7 @@ import grpc
 
 from metal_cluster.proto import cluster_pb2_grpc as pb_grpc
 from metal_cluster.proto import pb
+from metal_cluster.stage_worker.auth import TokenCheck
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.host import StageHost, StageStateError, VersionError
 from metal_cluster.stage_worker.request_table import StepError
@@ -75,10 +76,11 @@ class StageService(pb_grpc.StageServicer):
         return pb.ShutdownResponse()
 
 
-def serve(host: str, port: int, ring_port: int, node_id: str | None = None) -> None:
+def serve(host: str, port: int, ring_port: int, token: str, node_id: str | None = None) -> None:
     stop = threading.Event()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc"),
+        interceptors=[TokenCheck(token)],
         options=[("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)],
     )
     stage = StageHost(node_id=node_id, ring_port=ring_port)

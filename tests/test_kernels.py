@@ -131,6 +131,7 @@ def test_random_shapes_against_reference():
 
 def test_split_planner_keeps_big_batches_whole():
     assert pa.plan_decode_splits(num_reqs=64, kv_heads=8, max_ctx=4096) == (1, 4096)
+    assert pa.plan_decode_splits(num_reqs=256, kv_heads=8, max_ctx=4096, target=2048) == (1, 4096)
     assert pa.plan_decode_splits(num_reqs=1, kv_heads=8, max_ctx=100) == (1, 100)
 
 
@@ -141,7 +142,7 @@ def test_split_planner_fills_the_gpu(num_reqs, kv_heads, max_ctx):
     assert partition % 64 == 0 and partition >= pa.MIN_PARTITION
     assert splits * partition >= max_ctx > (splits - 1) * partition  # no empty trailing split
     # Not wildly more threadgroups than needed.
-    assert num_reqs * kv_heads * splits <= 2 * pa.TARGET_THREADGROUPS
+    assert num_reqs * kv_heads * splits <= 2 * pa.TARGET_THREADGROUPS["metal"]
 
 
 @pytest.mark.parametrize("gqa", [1, 2, 4, 8, 3])

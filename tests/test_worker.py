@@ -18,14 +18,17 @@ from metal_cluster.proto import cluster_pb2_grpc as pb_grpc
 from server_process import free_port
 
 
+TOKEN = "test-token-123"
+
+
 @contextlib.contextmanager
 def worker_process(log_path):
     port = free_port()
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, "-m", "metal_cluster.coordinator", "worker", "--port", str(port),
-                                 "--ring-port", str(free_port())], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    stage = RemoteStage(f"127.0.0.1:{port}", timeout_s=120)
+                                 "--ring-port", str(free_port()), "--cluster-token", TOKEN],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    stage = RemoteStage(f"127.0.0.1:{port}", token=TOKEN, timeout_s=120)
     try:
         deadline = time.monotonic() + 60
         while True:
@@ -109,3 +112,38 @@ def test_a_quarter_stage_holds_a_quarter_of_the_model(tmp_path):
     whole, quarter = growth(0, 8), growth(2, 4)
     assert whole > 100 * 2**20, f"whole model grew the worker by only {whole / 2**20:.0f} MiB"
     assert quarter < 0.4 * whole, f"a 2-of-8-layer stage grew by {quarter / 2**20:.0f} MiB vs {whole / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("token", [None, "wrong"])
+def test_a_call_without_the_right_token_is_refused(tmp_path, monkeypatch, token):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "no-config"))  # no token file to fall back on
+    monkeypatch.delenv("METAL_CLUSTER_TOKEN", raising=False)
+    log = tmp_path / "worker.log"
+    with worker_process(log) as stage:
+        intruder = RemoteStage(stage.name, token=token or "")
+        with pytest.raises(StageCallError, match="refused the call"):
+            intruder.health()
+        intruder.close()
+        assert stage.health().state == "idle"  # the right token still works
+    why = "no cluster token" if token is None else "a wrong cluster token"
+    refusals = [line for line in log.read_text().splitlines() if "refused Health" in line]
+    assert len(refusals) == 1 and why in refusals[0]
+
+
+def test_worker_without_any_token_does_not_start(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "no-config"))
+    monkeypatch.delenv("METAL_CLUSTER_TOKEN", raising=False)
+    result = subprocess.run([sys.executable, "-m", "metal_cluster.coordinator", "worker", "--port", str(free_port())],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0 and "no cluster token" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_token_command_creates_the_file_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
+    cli = [sys.executable, "-m", "metal_cluster.coordinator", "token"]
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path)}
+    first = subprocess.run(cli, capture_output=True, text=True, timeout=60, env=env).stdout.split()
+    second = subprocess.run(cli, capture_output=True, text=True, timeout=60, env=env).stdout.split()
+    assert first == second and len(first[1]) >= 24
+    path = tmp_path / "metal-cluster" / "token"
+    assert first[0] == str(path) and oct(path.stat().st_mode & 0o777) == "0o600"

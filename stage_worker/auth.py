@@ -1,0 +1,74 @@
+"""The cluster token: a shared secret every RPC between coordinator and workers carries.
+
+It comes from --cluster-token, the METAL_CLUSTER_TOKEN environment variable, or the token file
+that `metal-cluster token` creates. It never goes into mDNS TXT records or logs.
+"""
+
+import hmac
+import logging
+import os
+import secrets
+from pathlib import Path
+
+import grpc
+
+TOKEN_ENV = "METAL_CLUSTER_TOKEN"
+METADATA_KEY = "x-metal-cluster-token"
+log = logging.getLogger("metal_cluster.auth")
+
+
+def token_file() -> Path:
+    root = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
+    return Path(root) / "metal-cluster" / "token"
+
+
+def resolve_token(explicit: str | None = None) -> str | None:
+    """The flag, else the environment, else the token file; None when none is set."""
+    if explicit:
+        return explicit
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV]
+    path = token_file()
+    if not path.is_file():
+        return None
+    return path.read_text().strip() or None
+
+
+def create_token_file() -> tuple[Path, str]:
+    """The token file's path and token, creating it (mode 600) when it does not exist."""
+    path = token_file()
+    if path.is_file() and path.read_text().strip():
+        return path, path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return path, token
+
+
+def call_metadata(token: str | None) -> tuple:
+    return ((METADATA_KEY, token),) if token else ()
+
+
+class TokenCheck(grpc.ServerInterceptor):
+    """Refuses every RPC whose token is missing or wrong, with one log line saying which."""
+
+    def __init__(self, token: str):
+        self.token = token.encode()
+
+    def intercept_service(self, continuation, handler_call_details):
+        sent = dict(handler_call_details.invocation_metadata or ()).get(METADATA_KEY)
+        if sent is not None and hmac.compare_digest(sent.encode(), self.token):
+            return continuation(handler_call_details)
+        why = "no cluster token" if sent is None else "a wrong cluster token"
+        log.warning("refused %s: the caller sent %s", handler_call_details.method.rsplit("/", 1)[-1], why)
+        return _refusal(f"the worker refused the call: {why} (use the same --cluster-token, "
+                        f"{TOKEN_ENV} or token file on every host)")
+
+
+def _refusal(message: str):
+    def abort(request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    return grpc.unary_unary_rpc_method_handler(abort)

@@ -1,0 +1,60 @@
+"""Placement: layers follow memory, KV headroom counts, refusals name the host and the shortfall."""
+
+import pytest
+
+from metal_cluster.coordinator.placement import GIB, Host, ModelCost, PlacementError, plan
+
+# Roughly a 1B model in float32: 16 layers of ~0.2 GiB, a 0.5 GiB embedding.
+COST = ModelCost(num_layers=16, layer_bytes=int(0.2 * GIB), embed_bytes=int(0.5 * GIB), head_bytes=int(0.5 * GIB),
+                 kv_bytes_per_token_per_layer=16 * 1024, activation_bytes=int(0.25 * GIB))
+
+
+def layers(stages):
+    return [(s.host.name, s.start, s.end) for s in stages]
+
+
+def test_one_host_takes_everything():
+    stages = plan([Host("solo", "a:1", 16 * GIB, local=True)], COST, 0.5, 4096)
+    assert layers(stages) == [("solo", 0, 16)]
+
+
+def test_heterogeneous_memory_gets_different_layer_counts():
+    hosts = [Host("small", "s:1", 8 * GIB), Host("big", "b:1", 32 * GIB), Host("me", "m:1", 16 * GIB, local=True)]
+    stages = plan(hosts, COST, 0.5, 4096)
+    names = [s.host.name for s in stages]
+    assert names == ["me", "big", "small"]  # the coordinator first, then by memory
+    counts = {s.host.name: s.end - s.start for s in stages}
+    assert counts["big"] > counts["me"] > counts["small"] >= 1
+    assert sum(counts.values()) == 16 and stages[0].start == 0 and stages[-1].end == 16
+    assert all(a.end == b.start for a, b in zip(stages, stages[1:]))
+
+
+def test_wired_hosts_come_before_wifi():
+    hosts = [Host("wifi", "w:1", 64 * GIB, wired=False), Host("wired", "e:1", 16 * GIB)]
+    assert [s.host.name for s in plan(hosts, COST, 0.5, 1024)] == ["wired", "wifi"]
+
+
+def test_kv_headroom_is_respected():
+    hosts = [Host("a", "a:1", 8 * GIB, local=True), Host("b", "b:1", 8 * GIB)]
+    few_tokens = plan(hosts, COST, 0.9, 1024)
+    assert layers(few_tokens)[-1][2] == 16
+    # With a long context each layer also needs 2 GiB of KV: weights alone would fit, KV does not.
+    with pytest.raises(PlacementError) as err:
+        plan(hosts, COST, 0.9, 131072)
+    assert "KV for 131072 tokens" in str(err.value)
+
+
+def test_a_model_that_does_not_fit_names_host_and_shortfall():
+    with pytest.raises(PlacementError) as err:
+        plan([Host("tiny-mac", "t:1", 2 * GIB, local=True)], COST, 0.5, 1024)
+    message = str(err.value)
+    assert "tiny-mac" in message and "lacks" in message and "GiB" in message
+
+
+def test_cost_from_a_config():
+    config = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+              "num_hidden_layers": 30, "vocab_size": 49152}
+    cost = ModelCost.from_config(config)
+    assert cost.num_layers == 30
+    assert 13e6 < cost.layer_bytes < 15e6  # ~3.5M parameters a layer in float32
+    assert cost.kv_bytes_per_token_per_layer == 2 * 3 * 64 * 4

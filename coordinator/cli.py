@@ -37,27 +37,127 @@ def serve(
     """Serve the OpenAI API on this machine. Other flags go to vLLM with vLLM's names
     (--max-model-len, --max-num-seqs, --gpu-memory-utilization, --api-key, --tool-call-parser, ...)."""
     blas.use_openblas_if_present()
-    from metal_cluster.coordinator import local_workers
-    from metal_cluster.coordinator import serve as server
-    from metal_cluster.stage_worker.model_source import resolve_model
+    model, extra = _split_model_arg(model, ctx.args)
+    source = _resolve(model)
+    workers = pipeline_parallel_size if pipeline_parallel_size > 1 else 0
+    typer.echo(f"metal-cluster: serving {_served_name(source)} on one machine", err=True)
+    _run_server(source, host, port, gpu_memory_utilization, extra, local_stages=workers)
 
-    extra = list(ctx.args)
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def up(
+    ctx: typer.Context,
+    model: str = typer.Argument(None, help="Model folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct."),
+    host: str = typer.Option("127.0.0.1", help="Address the OpenAI API listens on."),
+    port: int = typer.Option(8000, help="Port of the OpenAI API."),
+    gpu_memory_utilization: float = typer.Option(0.5, min=0.01, max=0.95, help="Share of each host's memory."),
+    interface: str = typer.Option(None, "--interface", "--advertise-ip",
+                                  help="Interface name or IPv4 address for mDNS, gRPC and the ring."),
+    peers: str = typer.Option(None, help="Static workers host:port,... (where mDNS cannot reach)."),
+    mdns: bool = typer.Option(True, help="Browse for workers with Bonjour (mDNS)."),
+    min_workers: int = typer.Option(0, min=0, help="Wait for at least this many workers."),
+    discovery_timeout: float = typer.Option(5.0, help="Seconds to browse for workers."),
+    local_worker: bool = typer.Option(True, help="Run a stage on this host too."),
+    cluster_token: str = typer.Option(None, help="Shared secret (else $METAL_CLUSTER_TOKEN, else the token file)."),
+):
+    """Coordinate a cluster: discover workers, place the layers, start the stages, serve the OpenAI API."""
+    import os
+
+    from rich.console import Console
+
+    from metal_cluster.coordinator import placement
+    from metal_cluster.coordinator import up as cluster
+    from metal_cluster.stage_worker.auth import TOKEN_ENV, resolve_token
+
+    blas.use_openblas_if_present()
+    model, extra = _split_model_arg(model, ctx.args)
+    source = _resolve(model)
+    token = resolve_token(cluster_token)
+    if not token:
+        fail(f"no cluster token: run `metal-cluster token` and copy the file to every host, "
+             f"or pass --cluster-token / set {TOKEN_ENV}")
+    os.environ[TOKEN_ENV] = token  # for the executor and the local worker
+    console = Console(stderr=True, soft_wrap=True)  # one line per event, whatever the width
+    try:
+        ip = cluster.interface_ip(interface)
+        hosts = cluster.discover(ip, peers, mdns, discovery_timeout, min_workers, token, console)
+    except cluster.UpError as e:
+        fail(str(e), code=1)
+    if not hosts:
+        typer.echo("metal-cluster: no workers found: serving on this machine alone", err=True)
+        _run_server(source, host, port, gpu_memory_utilization, extra)
+        return
+    memory = psutil_total()
+    candidates = hosts + ([placement.Host("this-host", "local", memory, local=True)] if local_worker else [])
+    cost = placement.ModelCost.from_config(source.config)
+    try:
+        stages = placement.plan(candidates, cost, gpu_memory_utilization, _max_model_len(extra, source.config))
+    except placement.PlacementError as e:
+        fail(str(e), code=1)
+    cluster.show_plan(stages, console)
+    _run_server(source, host, port, gpu_memory_utilization, extra, planned=stages, local_ip=ip)
+
+
+def psutil_total() -> int:
+    import psutil
+
+    return psutil.virtual_memory().total
+
+
+def _max_model_len(extra: list[str], config: dict) -> int:
+    for i, arg in enumerate(extra):
+        if arg == "--max-model-len" and i + 1 < len(extra):
+            return int(extra[i + 1])
+        if arg.startswith("--max-model-len="):
+            return int(arg.split("=", 1)[1])
+    return int(config.get("max_position_embeddings") or 4096)
+
+
+def _split_model_arg(model, ctx_args):
+    extra = list(ctx_args)
     if model is not None and model.startswith("-"):  # a vLLM flag, not a model: no MODEL was given
         extra.insert(0, model)
         model = None
+    return model, extra
+
+
+def _resolve(model):
+    from metal_cluster.stage_worker.model_source import resolve_model
+
     try:
-        source = resolve_model(model)
+        return resolve_model(model)
     except ModelLoadError as e:
         fail(str(e))
-    typer.echo(f"metal-cluster: serving {server.served_name(source)} on one machine", err=True)
-    extra += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+
+
+def _served_name(source):
+    from metal_cluster.coordinator import serve as server
+
+    return server.served_name(source)
+
+
+def _run_server(source, host, port, utilization, extra, local_stages=0, planned=None, local_ip="127.0.0.1"):
+    """vLLM's API server over our stages: `local_stages` worker processes of ours, or a `planned`
+    placement over remote workers (plus one local worker where the plan has a stage on this host)."""
+    from metal_cluster.coordinator import local_workers
+    from metal_cluster.coordinator import serve as server
+
+    extra = extra + ["--gpu-memory-utilization", str(utilization)]
+    if planned:
+        local_stages = sum(1 for s in planned if s.host.local)
     try:
-        with local_workers.started(pipeline_parallel_size, gpu_memory_utilization) as workers, \
+        with local_workers.started(local_stages, host=local_ip) as workers, \
                 run_registration(host, port, source, workers) as run_dir:
-            addresses = [w.address for w in workers]
-            if addresses:
-                extra += ["--pipeline-parallel-size", str(pipeline_parallel_size)]
-            server.run(server.vllm_argv(source, server.served_name(source), host, port, extra), addresses, run_dir)
+            local_addresses = iter(w.address for w in workers)
+            if planned:
+                addresses = [next(local_addresses) if s.host.local else s.host.grpc_address for s in planned]
+                ranges = [(s.start, s.end) for s in planned]
+            else:
+                addresses, ranges = [w.address for w in workers], None
+            if len(addresses) > 1:
+                extra += ["--pipeline-parallel-size", str(len(addresses))]
+            argv = server.vllm_argv(source, server.served_name(source), host, port, extra)
+            server.run(argv, addresses, run_dir, ranges)
     except KeyboardInterrupt:
         raise typer.Exit(130)
     except local_workers.WorkerStartError as e:
@@ -123,6 +223,8 @@ def worker(
     port: int = typer.Option(7760, help="gRPC port."),
     ring_port: int = typer.Option(None, help="Port of the MLX ring data plane. Default: gRPC port + 1."),
     cluster_token: str = typer.Option(None, help="Shared secret (else $METAL_CLUSTER_TOKEN, else the token file)."),
+    advertise: bool = typer.Option(True, help="Announce this worker with Bonjour (mDNS) on --host's interface."),
+    advertise_ip: str = typer.Option(None, help="Address to announce (default: --host)."),
 ):
     """Run a stage-worker daemon: it waits for a coordinator to assign it layers."""
     from metal_cluster.stage_worker.auth import TOKEN_ENV, resolve_token
@@ -138,7 +240,10 @@ def worker(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        serve_stage(host, port, ring_port or port + 1, token)
+        announce = (advertise_ip or host) if advertise else None
+        if announce == "0.0.0.0":
+            fail("--host 0.0.0.0 listens everywhere; name the address to announce with --advertise-ip")
+        serve_stage(host, port, ring_port or port + 1, token, announce)
     except OSError as e:
         fail(str(e))
 

@@ -17,7 +17,7 @@ from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
 from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV
-from metal_cluster.coordinator.executor_env import NO_OVERLAP_ENV, STAGES_ENV
+from metal_cluster.coordinator.executor_env import LAYERS_ENV, NO_OVERLAP_ENV, STAGES_ENV
 from metal_cluster.coordinator.monitor import Monitor
 from metal_cluster.coordinator.stages import LocalStage, Pipeline, RemoteStage, even_split
 from metal_cluster.coordinator.step_translation import StepTranslator, to_runner_output
@@ -58,7 +58,9 @@ class ClusterExecutor(Executor):
         addresses = [a for a in os.environ.get(STAGES_ENV, "").split(",") if a]
         self.pipeline = Pipeline([RemoteStage(a) for a in addresses] if addresses else [LocalStage()])
         num_layers = self.model_config.hf_config.num_hidden_layers
-        self.ranges = even_split(num_layers, len(self.pipeline))
+        planned = os.environ.get(LAYERS_ENV)
+        self.ranges = ([tuple(int(x) for x in r.split("-")) for r in planned.split(",")] if planned
+                       else even_split(num_layers, len(self.pipeline)))
         log.info("loading %s: %d layers over %d stage(s) %s, then a %d-token warm-up per stage",
                  os.path.basename(self.model_config.model), num_layers, len(self.pipeline), self.ranges,
                  self.scheduler_config.max_num_batched_tokens)

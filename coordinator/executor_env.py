@@ -5,3 +5,6 @@ STAGES_ENV = "METAL_CLUSTER_STAGES"
 
 # Set to 1 to wait for each step before the next (no overlap between stages): for benchmarks.
 NO_OVERLAP_ENV = "METAL_CLUSTER_NO_OVERLAP"
+
+# Layer ranges of the stages, "start-end,start-end,...", from placement; unset = an even split.
+LAYERS_ENV = "METAL_CLUSTER_LAYERS"

@@ -27,12 +27,12 @@ class LocalWorker:
     pid: int
 
 
-def _free_ports(n: int) -> list[int]:
+def _free_ports(n: int, host: str) -> list[int]:
     socks = []
     try:
         for _ in range(n):
             s = socket.socket()
-            s.bind(("127.0.0.1", 0))
+            s.bind((host, 0))
             socks.append(s)
         return [s.getsockname()[1] for s in socks]
     finally:
@@ -41,23 +41,23 @@ def _free_ports(n: int) -> list[int]:
 
 
 @contextlib.contextmanager
-def started(count: int, memory_utilization: float):
+def started(count: int, host: str = "127.0.0.1"):
     """Yield `count` fresh workers (none for count 1: the stage runs in-process)."""
-    if count <= 1:
+    if count <= 0:
         yield []
         return
-    ports = _free_ports(2 * count)
+    ports = _free_ports(2 * count, host)
     procs, addresses = [], []
     # Local workers get a fresh secret of their own; the executor finds it in the environment.
     token = os.environ.setdefault(TOKEN_ENV, secrets.token_urlsafe(24))
     try:
         for k in range(count):
             grpc_port, ring_port = ports[2 * k], ports[2 * k + 1]
-            cmd = [sys.executable, "-m", "metal_cluster.coordinator", "worker", "--host", "127.0.0.1",
-                   "--port", str(grpc_port), "--ring-port", str(ring_port)]
+            cmd = [sys.executable, "-m", "metal_cluster.coordinator", "worker", "--host", host,
+                   "--port", str(grpc_port), "--ring-port", str(ring_port), "--no-advertise"]
             env = {**openblas_env(), TOKEN_ENV: token}
             procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
-            addresses.append(f"127.0.0.1:{grpc_port}")
+            addresses.append(f"{host}:{grpc_port}")
         _wait_ready(procs, addresses)
         print(f"metal-cluster: {count} local stage workers up: {', '.join(addresses)}", file=sys.stderr, flush=True)
         yield [LocalWorker(a, p.pid) for a, p in zip(addresses, procs)]

@@ -11,7 +11,7 @@ import time
 import urllib.request
 
 from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV
-from metal_cluster.coordinator.executor_env import STAGES_ENV
+from metal_cluster.coordinator.executor_env import LAYERS_ENV, STAGES_ENV
 from metal_cluster.coordinator.vllm_platform import ACTIVATE_ENV
 from metal_cluster.stage_worker.model_source import ModelSource
 
@@ -40,10 +40,13 @@ def served_name(source: ModelSource) -> str:
     return re.sub(r"\.(Q\d\w*|F16|F32|BF16)$", "", name)  # "SmolLM2-135M-Instruct.Q4_1" -> "SmolLM2-135M-Instruct"
 
 
-def run(argv: list[str], stage_addresses: list[str] | None = None, run_dir=None) -> None:
+def run(argv: list[str], stage_addresses: list[str] | None = None, run_dir=None,
+        layer_ranges: list[tuple[int, int]] | None = None) -> None:
     os.environ[ACTIVATE_ENV] = "1"  # before vLLM resolves its platform; inherited by EngineCore
     if stage_addresses:
         os.environ[STAGES_ENV] = ",".join(stage_addresses)
+    if layer_ranges:
+        os.environ[LAYERS_ENV] = ",".join(f"{a}-{b}" for a, b in layer_ranges)
     if run_dir is not None:
         os.environ[RUN_DIR_ENV] = str(run_dir)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # models are local; never reach for a hub

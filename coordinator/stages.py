@@ -21,6 +21,10 @@ MAX_MESSAGE = 256 * 1024 * 1024
 class StageCallError(RuntimeError):
     """A stage refused or failed an RPC; the message names the stage and its reason."""
 
+    def __init__(self, message: str, code: grpc.StatusCode | None = None):
+        super().__init__(message)
+        self.code = code
+
 
 def _completed(fn, *args) -> Future:
     future = Future()
@@ -69,7 +73,7 @@ class RemoteStage:
         try:
             return method(req, timeout=timeout or self.timeout_s, metadata=self.metadata)
         except grpc.RpcError as e:
-            raise StageCallError(f"stage {self.name}: {e.details() or e.code().name}") from None
+            raise StageCallError(f"stage {self.name}: {e.details() or e.code().name}", e.code()) from None
 
     def assign(self, req):
         return self._call(self.stub.Assign, req)
@@ -91,7 +95,7 @@ class RemoteStage:
             try:
                 out.set_result(c.result())
             except grpc.RpcError as e:
-                out.set_exception(StageCallError(f"stage {self.name}: {e.details() or e.code().name}"))
+                out.set_exception(StageCallError(f"stage {self.name}: {e.details() or e.code().name}", e.code()))
 
         call.add_done_callback(done)
         return out

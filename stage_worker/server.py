@@ -76,7 +76,8 @@ class StageService(pb_grpc.StageServicer):
         return pb.ShutdownResponse()
 
 
-def serve(host: str, port: int, ring_port: int, token: str, node_id: str | None = None) -> None:
+def serve(host: str, port: int, ring_port: int, token: str, advertise_ip: str | None = None,
+          node_id: str | None = None) -> None:
     stop = threading.Event()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc"),
@@ -90,9 +91,18 @@ def serve(host: str, port: int, ring_port: int, token: str, node_id: str | None 
         raise OSError(f"cannot listen on {host}:{port}")
     server.start()
     log.info("worker %s listening on %s:%d (ring port %d)", stage.node_id, host, bound, ring_port)
+    advertiser = None
+    if advertise_ip:
+        from metal_cluster.stage_worker.advertise import Advertiser
+        from metal_cluster.stage_worker.host import device_name
+
+        advertiser = Advertiser(advertise_ip, stage.node_id, bound, ring_port, device_name())
+        log.info("announcing %s on %s (mDNS)", advertiser.info.name, advertise_ip)
     try:
         stop.wait()
     except KeyboardInterrupt:
         pass
+    if advertiser:
+        advertiser.close()
     server.stop(grace=2).wait()
     log.info("worker stopped")

@@ -1,0 +1,82 @@
+"""`metal-cluster up`: find workers, check they share our token, and plan who runs which layers."""
+
+import time
+
+import grpc
+import psutil
+from rich.console import Console
+from rich.table import Table
+
+from metal_cluster.coordinator.discovery import Found, browse, static_peers
+from metal_cluster.coordinator.placement import Host, StagePlan
+from metal_cluster.coordinator.stages import RemoteStage, StageCallError
+
+
+class UpError(RuntimeError):
+    pass
+
+
+def interface_ip(interface: str | None) -> str:
+    """An IPv4 address, or an interface name resolved to its IPv4 address."""
+    if not interface:
+        return "127.0.0.1"
+    addrs = psutil.net_if_addrs()
+    if interface in addrs:
+        for a in addrs[interface]:
+            if a.family.name == "AF_INET":
+                return a.address
+        raise UpError(f"interface {interface} has no IPv4 address")
+    return interface
+
+
+def discover(ip: str, peers: str | None, mdns: bool, timeout_s: float, min_workers: int, token: str,
+             console: Console) -> list[Host]:
+    found: list[Found] = static_peers(peers)
+    if mdns:
+        console.print(f"looking for workers on {ip} (mDNS, up to {timeout_s:.0f}s)...")
+        found += browse(ip, timeout_s, min_workers,
+                        progress=lambda f: console.print(f"  found {f.node or f.address} at {f.address} ({f.device})"))
+    hosts, seen = [], set()
+    for f in found:
+        if f.address in seen:
+            continue
+        seen.add(f.address)
+        host = _check(f, token, console, deadline=time.monotonic() + timeout_s)
+        if host:
+            hosts.append(host)
+    if len(hosts) < min_workers:
+        raise UpError(f"found {len(hosts)} usable worker(s), --min-workers asks for {min_workers}")
+    return hosts
+
+
+def _check(found: Found, token: str, console: Console, deadline: float) -> Host | None:
+    """The worker's health, waiting until `deadline` for one that is still starting."""
+    stage = RemoteStage(found.address, token=token)
+    try:
+        while True:
+            try:
+                health = stage.health(timeout=5)
+                break
+            except StageCallError as e:
+                if e.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline:
+                    time.sleep(0.5)
+                    continue
+                console.print(f"  left out {found.address}: {e}")
+                return None
+    finally:
+        stage.close()
+    if health.state != "idle":
+        console.print(f"  left out {found.address}: it is {health.state} for another plan (restart it to reuse it)")
+        return None
+    return Host(name=health.node_id, grpc_address=found.address, memory_total=health.host_memory_bytes,
+                wired=found.link != "wifi", ring_port=health.ring_port)
+
+
+def show_plan(stages: list[StagePlan], console: Console) -> None:
+    table = Table(title="placement")
+    for col in ("stage", "node", "address", "memory", "layers"):
+        table.add_column(col)
+    for k, s in enumerate(stages):
+        table.add_row(str(k), s.host.name + (" (this host)" if s.host.local else ""), s.host.grpc_address,
+                      f"{s.host.memory_total / 2**30:.0f} GiB", f"[{s.start}, {s.end})")
+    console.print(table)

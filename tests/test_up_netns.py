@@ -1,0 +1,90 @@
+"""`metal-cluster up` across three hosts made of network namespaces: Bonjour discovery alone, or
+static --peers with mDNS off; placement over 3 stages; token-exact answers through the openai client."""
+
+import json
+import sys
+import time
+
+import pytest
+from mlx_lm.utils import load
+
+import netns
+from references import mlx_lm_greedy
+
+WHY_NOT = netns.can_create_namespaces()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"needs network namespaces: {WHY_NOT}")
+
+TOKEN = "netns-test-token"
+PY = [sys.executable, "-m", "metal_cluster.coordinator"]
+PROMPTS = ["Hello world, this is a test", "The quick brown fox jumps over the lazy dog", "Numbers 12345"]
+CLIENT = """
+import json, sys, openai
+c = openai.OpenAI(base_url=sys.argv[1], api_key="unused", timeout=120, max_retries=0)
+out = []
+for ids in json.loads(sys.argv[2]):
+    r = c.completions.create(model="m", prompt=ids, max_tokens=10, temperature=0,
+                             extra_body={"ignore_eos": True, "return_token_ids": True})
+    out.append(r.choices[0].token_ids)
+c2 = c.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+out.append(bool(c2.choices[0].message.content is not None))
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture
+def lan():
+    with netns.lan(4) as members:
+        yield members
+
+
+def start_worker(ns, address, tmp_path, token=TOKEN):
+    return netns.popen(ns, [*PY, "worker", "--host", address, "--port", "7760", "--ring-port", "7761",
+                            "--cluster-token", token], tmp_path / f"worker-{address}.log")
+
+
+def wait_healthy(ns, url, proc, log, timeout=300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, open(log).read()[-4000:]
+        if netns.run(ns, ["curl", "-sf", f"{url}/health"], timeout=10).returncode == 0:
+            return
+        time.sleep(1)
+    raise AssertionError("up never became healthy:\n" + open(log).read()[-4000:])
+
+
+def check_cluster(lan, tmp_path, model, up_flags):
+    (ns_a, ip_a), (ns_b, ip_b), (ns_c, ip_c), (ns_d, ip_d) = lan
+    for ns, ip in ((ns_b, ip_b), (ns_c, ip_c)):
+        start_worker(ns, ip, tmp_path)
+    start_worker(ns_d, ip_d, tmp_path, token="not-the-token")  # must be left out
+    log = tmp_path / "up.log"
+    up = netns.popen(ns_a, [*PY, "up", str(model), "--interface", ip_a, "--host", ip_a, "--port", "8000",
+                            "--cluster-token", TOKEN, "--gpu-memory-utilization", "0.05", "--max-model-len", "512",
+                            "--max-num-batched-tokens", "64", "--served-model-name", "m", *up_flags], log)
+    url = f"http://{ip_a}:8000"
+    wait_healthy(ns_a, url, up, log)
+    ref_model, tokenizer = load(str(model))
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    result = netns.run(ns_a, [sys.executable, "-c", CLIENT, f"{url}/v1", json.dumps(prompts)], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    answers = json.loads(result.stdout.strip().splitlines()[-1])
+    assert answers[:-1] == [mlx_lm_greedy(ref_model, ids, 10) for ids in prompts]
+    assert answers[-1] is True
+    text = log.read_text()
+    assert "left out" in text and f"{ip_d}:7760" in text and "cluster token" in text
+    assert "placement" in text and "over 3 stage(s)" in text  # the plan, printed, then run on 3 stages
+    refusals = (tmp_path / f"worker-{ip_d}.log").read_text()
+    assert "refused Health" in refusals and "wrong cluster token" in refusals
+    return text
+
+
+def test_up_finds_workers_by_mdns_alone(lan, tmp_path, llama_model):
+    text = check_cluster(lan, tmp_path, llama_model, ["--discovery-timeout", "20"])
+    assert text.count("found ") >= 3
+
+
+def test_up_with_static_peers_and_mdns_off(lan, tmp_path, llama_model):
+    (_, _), (_, ip_b), (_, ip_c), (_, ip_d) = lan
+    peers = f"{ip_b}:7760,{ip_c}:7760,{ip_d}:7760"
+    text = check_cluster(lan, tmp_path, llama_model, ["--no-mdns", "--peers", peers, "--discovery-timeout", "60"])
+    assert "looking for workers" not in text

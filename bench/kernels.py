@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Paged attention kernels on the GPU: the kernel vs MLX's SDPA, and a Qwen3-1.7B-shaped decode.
 
-1. Attention alone: `metal_cluster.kernels.paged_attention` (paged, shuffled blocks) against
+1. Attention alone: `metal_cluster.kernels.gpu` (paged, shuffled blocks) against
    `mx.fast.scaled_dot_product_attention` over contiguous K/V of the same shapes (Qwen3-1.7B's
    attention: 16 heads, 8 kv heads, head dim 128, bf16), decode and causal prefill.
 2. Decode tokens/s of a random-weight Qwen3-1.7B-shaped model (bf16) through the stage runner
@@ -83,6 +83,7 @@ def bench_decode(batch: int, ctx: int, iters: int) -> dict:
 
 
 def bench_prefill(length: int, iters: int) -> dict:
+    """`paged` is what paged_attention dispatches to: the reference while the prefill kernel is off."""
     scale = HEAD_DIM ** -0.5
     q, k_pool, v_pool, meta = paged_inputs([length], [length])
     paged = time_per_call(lambda: paged_attention(q, k_pool, v_pool, meta, scale), iters)
@@ -92,7 +93,8 @@ def bench_prefill(length: int, iters: int) -> dict:
     mx.eval(qs, k, v)
     sdpa = time_per_call(lambda: mx.fast.scaled_dot_product_attention(qs, k, v, scale=scale, mask="causal"), iters)
     ref = time_per_call(lambda: paged_attention_reference(q, k_pool, v_pool, meta, scale), iters)
-    return dict(length=length, paged_us=paged * 1e6, sdpa_us=sdpa * 1e6, ratio=paged / sdpa, reference_us=ref * 1e6)
+    fast = importlib.import_module("metal_cluster.kernels.gpu")
+    return dict(length=length, prefill_kernel=fast.PREFILL_KERNEL_ENABLED, paged_us=paged * 1e6, sdpa_us=sdpa * 1e6, ratio=paged / sdpa, reference_us=ref * 1e6)
 
 
 # --- 2. model decode ------------------------------------------------------------------------

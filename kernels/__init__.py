@@ -1,22 +1,17 @@
 """Paged varlen attention: one API, dispatched by backend.
 
-- Apple GPU (Metal): the kernels in `paged_attention.py` through `mx.fast.metal_kernel`;
+- Apple GPU (Metal): the kernels in `gpu.py` through `mx.fast.metal_kernel`;
 - NVIDIA GPU (MLX's CUDA backend): the same kernels through `mx.fast.cuda_kernel`;
-- anywhere else (MLX's CPU backend) and for shapes the kernels do not cover: the reference in plain
-  MLX ops, which is also the kernels' test oracle.
-
-Note: the submodule `metal_cluster.kernels.paged_attention` is shadowed by the function of the same
-name below; reach the module with `importlib.import_module("metal_cluster.kernels.paged_attention")`.
+- anywhere else (MLX's CPU backend), for shapes the kernels do not cover, and for now for batches
+  with multi-token queries (the prefill kernel is disabled, see `PREFILL_KERNEL_ENABLED`): the
+  reference in plain MLX ops, which is also the kernels' test oracle.
 """
-
-import importlib
 
 import mlx.core as mx
 
+from metal_cluster.kernels import gpu as _fast
 from metal_cluster.kernels.metadata import AttentionMetadata
 from metal_cluster.kernels.reference import paged_attention_reference
-
-_fast = importlib.import_module("metal_cluster.kernels.paged_attention")
 
 
 def gpu_backend() -> str | None:
@@ -38,7 +33,7 @@ def paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, scale: float, sl
     the K/V of this step's tokens. Returns [total_q, H, D].
     """
     backend = gpu_backend()
-    if backend is not None and _fast.supports(q, k_pool):
+    if backend is not None and _fast.supports(q, k_pool, meta):
         return _fast.paged_attention_kernel(q, k_pool, v_pool, meta, scale, sliding_window, backend=backend)
     return paged_attention_reference(q, k_pool, v_pool, meta, scale, sliding_window)
 

@@ -150,3 +150,19 @@ def test_smollm2_gguf_matches_mlx_lm():
     assert out["r0"] == expected
     for i in (1, 2):
         assert out[f"r{i}"] == mlx_lm_greedy(ref_model, prompts[i], 12)
+
+
+def test_sliding_window_matches_mlx_lm(tmp_path):
+    """Alternating sliding-window and full layers (Mistral/Gemma style), prompts longer than the window."""
+    import tiny_models
+
+    folder = tiny_models.build_tiny_model("llama", tmp_path / "swa", sliding_window=8)
+    ref_model, tokenizer = load(str(folder))
+    source = resolve_model(folder)
+    sched = scheduler(make_runner(source), chunk_size=5)
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:4]]
+    for i, p in enumerate(prompts):
+        sched.add(f"r{i}", p, 12)
+    out = sched.run()
+    for i, p in enumerate(prompts):
+        assert out[f"r{i}"] == mlx_lm_greedy(ref_model, p, 12), f"request {i}"

@@ -170,3 +170,16 @@ def test_budget_too_small_fails_at_start_with_the_numbers(tmp_path):
     assert len(reason) == 1, output[-3000:]
     assert "GiB" in reason[0] and "--gpu-memory-utilization" in reason[0] and "--max-model-len" in reason[0]
     assert output.strip().splitlines()[-1].startswith("metal-cluster: error:")
+
+
+def test_status_against_single_node_serve(tiny_server):
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "metal_cluster.coordinator", "status", "--json", "--url", tiny_server],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    view = json.loads(result.stdout)
+    assert [s["layers"] for s in view["stages"]] == [[0, 4]]
+    assert [n["state"] for n in view["nodes"]] == ["serving"]
+    assert view["requests"] == {"running": 0, "waiting": 0}

@@ -54,7 +54,7 @@ def assign(stage, model, start, end, block_size=16):
 def step_status(stage, step):
     stub = pb_grpc.StageStub(stage.channel)
     with pytest.raises(grpc.RpcError) as err:
-        stub.Step(step, timeout=60)
+        stub.Step(step, timeout=60, metadata=stage.metadata)
     return err.value.code(), err.value.details()
 
 

@@ -87,7 +87,7 @@ def up(
         typer.echo("metal-cluster: no workers found: serving on this machine alone", err=True)
         _run_server(source, host, port, gpu_memory_utilization, extra)
         return
-    memory = psutil_total()
+    memory = _host_memory()
     candidates = hosts + ([placement.Host("this-host", "local", memory, local=True)] if local_worker else [])
     cost = placement.ModelCost.from_config(source.config)
     try:
@@ -98,7 +98,7 @@ def up(
     _run_server(source, host, port, gpu_memory_utilization, extra, planned=stages, local_ip=ip)
 
 
-def psutil_total() -> int:
+def _host_memory() -> int:
     import psutil
 
     return psutil.virtual_memory().total

@@ -64,9 +64,10 @@ class ClusterExecutor(Executor):
         log.info("loading %s: %d layers over %d stage(s) %s, then a %d-token warm-up per stage",
                  os.path.basename(self.model_config.model), num_layers, len(self.pipeline), self.ranges,
                  self.scheduler_config.max_num_batched_tokens)
+        self.shares = self._utilization_per_stage()
         self.assigned = self.pipeline.assign(
             self.model_config.model, self.ranges, self.cache_config.block_size,
-            self.scheduler_config.max_num_batched_tokens, self._utilization_per_stage(),
+            self.scheduler_config.max_num_batched_tokens, self.shares,
         )
         for (a, b), r, stage in zip(self.ranges, self.assigned, self.pipeline.stages):
             log.info("stage %s: layers [%d, %d), %.2f GiB weights, %.2f GiB activations, KV budget %.2f GiB",
@@ -101,8 +102,7 @@ class ClusterExecutor(Executor):
         pass
 
     def determine_available_memory(self) -> list[int]:
-        shares = self._utilization_per_stage()
-        for (a, b), r, stage, share in zip(self.ranges, self.assigned, self.pipeline.stages, shares):
+        for (a, b), r, stage, share in zip(self.ranges, self.assigned, self.pipeline.stages, self.shares):
             budget = KVBudget(share, r.host_memory_bytes, r.weights_bytes, r.activation_bytes)
             try:
                 budget.check_fits(self.model_config.max_model_len, self.cache_config.block_size, r.bytes_per_block)

@@ -22,6 +22,7 @@ from metal_cluster.coordinator.monitor import Monitor
 from metal_cluster.coordinator.stages import LocalStage, Pipeline, RemoteStage, even_split
 from metal_cluster.coordinator.step_translation import StepTranslator, to_runner_output
 from metal_cluster.stage_worker.memory import KVBudget, MemoryBudgetError
+from metal_cluster.stage_worker.model_source import kv_geometry
 
 # A child of vLLM's logger, so our lines come out with the engine's own (same format, same process tag).
 log = logging.getLogger("vllm.metal_cluster.executor")
@@ -87,9 +88,7 @@ class ClusterExecutor(Executor):
         import torch
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-        config = self.model_config.hf_config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        kv_heads, head_dim = kv_geometry(self.model_config.hf_config.to_dict())
         spec = FullAttentionSpec(
             block_size=self.cache_config.block_size, num_kv_heads=kv_heads, head_size=head_dim, dtype=torch.float32
         )

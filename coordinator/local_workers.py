@@ -73,16 +73,11 @@ def _wait_ready(procs, addresses):
     for proc, address in zip(procs, addresses):
         stage = RemoteStage(address)
         try:
-            while True:
-                if proc.poll() is not None:
-                    raise WorkerStartError(f"stage worker {address} exited with {proc.returncode} before it was ready")
-                try:
-                    stage.health(timeout=2)
-                    break
-                except StageCallError:
-                    if time.monotonic() > deadline:
-                        raise WorkerStartError(f"stage worker {address} not ready after {START_TIMEOUT_S}s") from None
-                    time.sleep(0.2)
+            stage.wait_ready(deadline, still_starting=lambda: proc.poll() is None)
+        except StageCallError as e:
+            if proc.poll() is not None:
+                raise WorkerStartError(f"stage worker {address} exited with {proc.returncode} before it was ready") from None
+            raise WorkerStartError(f"stage worker {address} not ready after {START_TIMEOUT_S}s: {e}") from None
         finally:
             stage.close()
 

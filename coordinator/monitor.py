@@ -62,7 +62,10 @@ class Monitor:
         return ClusterSnapshot(model=self.model, nodes=list(self.nodes), stages=list(self.stages))
 
     def _set_state(self, node, state, reason):
-        if node.state != state:
-            log.warning("stage %s is %s%s", node.address, state, f": {reason}" if reason else "") if state == "down" \
-                else log.info("stage %s is %s", node.address, state)
-            node.state = state
+        if node.state == state:
+            return
+        if state == "down":
+            log.warning("stage %s is down: %s", node.address, reason)
+        else:
+            log.info("stage %s is %s", node.address, state)
+        node.state = state

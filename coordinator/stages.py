@@ -7,6 +7,7 @@ form, no gRPC, no ring). The executor only ever talks to a Pipeline.
 
 import json
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
@@ -83,6 +84,18 @@ class RemoteStage:
 
     def health(self, timeout=5):
         return self._call(self.stub.Health, pb.HealthRequest(version=PROTO_VERSION), timeout)
+
+    def wait_ready(self, deadline: float, still_starting=lambda: True):
+        """Health, polling while the worker is not reachable yet (still starting) until `deadline`
+        (a time.monotonic() value). Any other answer, a refusal included, is returned or raised at once."""
+        while True:
+            try:
+                return self.health(timeout=2)
+            except StageCallError as e:
+                booting = e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                if not (booting and still_starting() and time.monotonic() < deadline):
+                    raise
+                time.sleep(0.2)
 
     def shutdown(self):
         return self._call(self.stub.Shutdown, pb.ShutdownRequest(version=PROTO_VERSION), 5)

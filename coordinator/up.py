@@ -2,7 +2,6 @@
 
 import time
 
-import grpc
 import psutil
 from rich.console import Console
 from rich.table import Table
@@ -53,16 +52,10 @@ def _check(found: Found, token: str, console: Console, deadline: float) -> Host 
     """The worker's health, waiting until `deadline` for one that is still starting."""
     stage = RemoteStage(found.address, token=token)
     try:
-        while True:
-            try:
-                health = stage.health(timeout=5)
-                break
-            except StageCallError as e:
-                if e.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline:
-                    time.sleep(0.5)
-                    continue
-                console.print(f"  left out {found.address}: {e}")
-                return None
+        health = stage.wait_ready(deadline)
+    except StageCallError as e:
+        console.print(f"  left out {found.address}: {e}")
+        return None
     finally:
         stage.close()
     if health.state != "idle":

@@ -15,7 +15,7 @@ import psutil
 
 from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.stage_worker import memory
-from metal_cluster.stage_worker.model_source import resolve_model
+from metal_cluster.stage_worker.model_source import kv_geometry, resolve_model
 from metal_cluster.stage_worker.paged_kv import KVPool, bytes_per_block
 from metal_cluster.stage_worker.request_table import StepError
 from metal_cluster.stage_worker.ring import Ring
@@ -25,11 +25,6 @@ from metal_cluster.stage_worker.shard import load_shard
 
 class StageStateError(RuntimeError):
     """An RPC that does not fit the stage's state (e.g. a step before start)."""
-
-
-def kv_geometry(config: dict) -> tuple[int, int]:
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return config.get("num_key_value_heads") or config["num_attention_heads"], head_dim
 
 
 class StageHost:

@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load
 
-from metal_cluster.stage_worker.model_source import resolve_model
+from metal_cluster.stage_worker.model_source import kv_geometry, resolve_model
 from metal_cluster.stage_worker.paged_kv import KVPool
 from metal_cluster.stage_worker.runner import StageRunner
 from metal_cluster.stage_worker.shard import load_shard
@@ -27,9 +27,8 @@ PROMPTS = [
 
 def make_runner(source, start=0, end=None, num_blocks=NUM_BLOCKS):
     shard = load_shard(source, start, end)
-    cfg = source.config
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    pool = KVPool.allocate(len(shard.layers), num_blocks, BLOCK_SIZE, cfg["num_key_value_heads"], head_dim)
+    kv_heads, head_dim = kv_geometry(source.config)
+    pool = KVPool.allocate(len(shard.layers), num_blocks, BLOCK_SIZE, kv_heads, head_dim)
     return StageRunner(shard, pool)
 
 

@@ -30,15 +30,10 @@ def worker_process(log_path):
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     stage = RemoteStage(f"127.0.0.1:{port}", token=TOKEN, timeout_s=120)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                stage.health(timeout=2)
-                break
-            except StageCallError:
-                assert proc.poll() is None, open(log_path).read()
-                assert time.monotonic() < deadline, "worker did not come up"
-                time.sleep(0.2)
+        try:
+            stage.wait_ready(time.monotonic() + 60, still_starting=lambda: proc.poll() is None)
+        except StageCallError as e:
+            raise AssertionError(f"worker did not come up: {e}\n{open(log_path).read()}") from None
         yield stage
     finally:
         stage.close()

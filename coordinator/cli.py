@@ -2,6 +2,7 @@
 
 import contextlib
 import sys
+from pathlib import Path
 
 import typer
 
@@ -17,8 +18,25 @@ def fail(message: str, code: int = 2):
 
 
 @app.callback()
-def main():
+def main(
+    ctx: typer.Context,
+    config_file: str = typer.Option(None, "--config", envvar="METAL_CLUSTER_CONFIG", show_default=False,
+                                    help="Config file. Default: ~/.config/metal-cluster/config.toml."),
+):
     """Commands that run models preload OpenBLAS themselves (see blas.py); the others stay quiet."""
+    import os
+
+    from metal_cluster.coordinator import config
+    from metal_cluster.stage_worker.auth import TOKEN_FILE_ENV
+
+    try:
+        path, table = config.read(config_file)
+        # Every command's options default from the file: click hands each subcommand its own part.
+        ctx.default_map, settings = config.defaults(path, table, ctx.command)
+    except config.ConfigError as e:
+        fail(str(e))
+    if "token_file" in settings:
+        os.environ.setdefault(TOKEN_FILE_ENV, settings["token_file"])  # the environment wins over the file
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -37,7 +55,7 @@ def serve(
     """Serve the OpenAI API on this machine. Other flags go to vLLM with vLLM's names
     (--max-model-len, --max-num-seqs, --gpu-memory-utilization, --api-key, --tool-call-parser, ...)."""
     blas.use_openblas_if_present()
-    model, extra = _split_model_arg(model, ctx.args)
+    model, extra = _split_model_arg(model, ctx)
     source = _resolve(model)
     workers = pipeline_parallel_size if pipeline_parallel_size > 1 else 0
     typer.echo(f"metal-cluster: serving {_served_name(source)} on one machine", err=True)
@@ -70,7 +88,7 @@ def up(
     from metal_cluster.stage_worker.auth import TOKEN_ENV, resolve_token
 
     blas.use_openblas_if_present()
-    model, extra = _split_model_arg(model, ctx.args)
+    model, extra = _split_model_arg(model, ctx)
     source = _resolve(model)
     token = resolve_token(cluster_token)
     if not token:
@@ -105,7 +123,7 @@ def _host_memory() -> int:
 
 
 def _max_model_len(extra: list[str], config: dict) -> int:
-    for i, arg in enumerate(extra):
+    for i, arg in reversed(list(enumerate(extra))):  # the last one wins, as in vLLM
         if arg == "--max-model-len" and i + 1 < len(extra):
             return int(extra[i + 1])
         if arg.startswith("--max-model-len="):
@@ -113,12 +131,13 @@ def _max_model_len(extra: list[str], config: dict) -> int:
     return int(config.get("max_position_embeddings") or 4096)
 
 
-def _split_model_arg(model, ctx_args):
-    extra = list(ctx_args)
+def _split_model_arg(model, ctx):
+    """MODEL and the vLLM flags. The config file's `vllm_args` go first, so the command line's win."""
+    extra = list(ctx.args)
     if model is not None and model.startswith("-"):  # a vLLM flag, not a model: no MODEL was given
         extra.insert(0, model)
-        model = None
-    return model, extra
+        model = ctx.lookup_default("model")  # the config file's, if it names one
+    return model, [*(ctx.default_map or {}).get("vllm_args", ()), *extra]
 
 
 def _resolve(model):
@@ -219,16 +238,27 @@ def down(
 
 @app.command()
 def worker(
+    ctx: typer.Context,
     host: str = typer.Option("127.0.0.1", help="Address the stage's gRPC service listens on."),
+    interface: str = typer.Option(None, help="Interface name (en0) or IPv4 address to listen on and announce, "
+                                             "instead of --host (a --host on the command line wins)."),
     port: int = typer.Option(7760, help="gRPC port."),
     ring_port: int = typer.Option(None, help="Port of the MLX ring data plane. Default: gRPC port + 1."),
     cluster_token: str = typer.Option(None, help="Shared secret (else $METAL_CLUSTER_TOKEN, else the token file)."),
     advertise: bool = typer.Option(True, help="Announce this worker with Bonjour (mDNS) on --host's interface."),
     advertise_ip: str = typer.Option(None, help="Address to announce (default: --host)."),
+    install_service: bool = typer.Option(False, "--install-service", help=(
+        "Run this worker as a service instead (launchd agent on macOS, systemd user unit on Linux), with the "
+        "flags given here; the config file still applies at each start.")),
+    uninstall_service: bool = typer.Option(False, "--uninstall-service", help="Stop and remove that service."),
 ):
     """Run a stage-worker daemon: it waits for a coordinator to assign it layers."""
     from metal_cluster.stage_worker.auth import TOKEN_ENV, resolve_token
 
+    if install_service or uninstall_service:
+        return _worker_service(ctx, install_service, uninstall_service)
+    if interface and not _typed_here(ctx, "host"):
+        host = _interface_address(interface)
     token = resolve_token(cluster_token)
     if not token:
         fail(f"no cluster token: run `metal-cluster token` once and copy the file to every host, "
@@ -277,3 +307,57 @@ def generate(
     except ModelLoadError as e:
         fail(str(e))
     sys.stdout.write("\n")
+
+
+def _typed_here(ctx, name: str) -> bool:
+    """Whether the option was on the command line (not from the environment, config file or default)."""
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
+
+
+def _interface_address(interface: str) -> str:
+    import ipaddress
+
+    import psutil
+
+    from metal_cluster.coordinator.up import UpError, interface_ip
+
+    try:
+        address = interface_ip(interface)
+        ipaddress.IPv4Address(address)
+        return address
+    except UpError as e:
+        fail(str(e))
+    except ValueError:
+        fail(f"--interface {interface}: no such interface or IPv4 address "
+             f"(interfaces here: {', '.join(sorted(psutil.net_if_addrs()))})")
+
+
+def _worker_service(ctx, install: bool, uninstall: bool):
+    """`worker --install-service` / `--uninstall-service`: the service runs this same executable."""
+    from metal_cluster.coordinator import services
+    from metal_cluster.stage_worker.auth import token_file
+
+    if install and uninstall:
+        fail("--install-service or --uninstall-service: pick one")
+    service = services.for_host("worker")
+    try:
+        if uninstall:
+            typer.echo(services.uninstall(service))
+            return
+        if _typed_here(ctx, "cluster_token"):
+            fail("--install-service keeps --cluster-token out of the service file (others can read it): "
+                 "put the token in the token file (`metal-cluster token`) instead")
+        if not token_file().is_file():
+            fail(f"no token file at {token_file()}: the service could not start; run `metal-cluster token` "
+                 f"on one host and copy its file here first")
+        root = ctx.find_root()
+        config = ["--config", str(Path(root.params["config_file"]).expanduser().resolve())] \
+            if root.params.get("config_file") else []
+        skip = ("install_service", "uninstall_service", "cluster_token")
+        argv = services.executable() + config + ["worker"] + services.flags_given(ctx, skip)
+        typer.echo(services.install(service, argv))
+    except services.ServiceError as e:
+        fail(str(e), code=1)
+    except OSError as e:
+        fail(f"{e.filename or service.path}: {e.strerror}", code=1)

@@ -1,7 +1,9 @@
 """The cluster token: a shared secret every RPC between coordinator and workers carries.
 
 It comes from --cluster-token, the METAL_CLUSTER_TOKEN environment variable, or the token file
-that `metal-cluster token` creates. It never goes into mDNS TXT records or logs.
+that `metal-cluster token` creates. The file's place is $METAL_CLUSTER_TOKEN_FILE when set (the
+config file's `token_file` sets it), else ~/.config/metal-cluster/token. It never goes into mDNS
+TXT records or logs.
 """
 
 import hmac
@@ -13,11 +15,14 @@ from pathlib import Path
 import grpc
 
 TOKEN_ENV = "METAL_CLUSTER_TOKEN"
+TOKEN_FILE_ENV = "METAL_CLUSTER_TOKEN_FILE"
 METADATA_KEY = "x-metal-cluster-token"
 log = logging.getLogger("metal_cluster.auth")
 
 
 def token_file() -> Path:
+    if os.environ.get(TOKEN_FILE_ENV):
+        return Path(os.environ[TOKEN_FILE_ENV]).expanduser()
     root = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
     return Path(root) / "metal-cluster" / "token"
 

@@ -51,6 +51,8 @@ def serve(
     pipeline_parallel_size: int = typer.Option(
         1, "--pipeline-parallel-size", "-pp", min=1, help="Split the layers over this many local stage-worker processes."
     ),
+    stage_timeout: float = typer.Option(
+        15.0, min=1, help="Seconds a stage may miss heartbeats before it counts as lost and the cluster re-plans."),
 ):
     """Serve the OpenAI API on this machine. Other flags go to vLLM with vLLM's names
     (--max-model-len, --max-num-seqs, --gpu-memory-utilization, --api-key, --tool-call-parser, ...)."""
@@ -58,6 +60,7 @@ def serve(
     model, extra = _split_model_arg(model, ctx)
     source = _resolve(model)
     workers = pipeline_parallel_size if pipeline_parallel_size > 1 else 0
+    _set_stage_timeout(stage_timeout)
     typer.echo(f"metal-cluster: serving {_served_name(source)} on one machine", err=True)
     _run_server(source, host, port, gpu_memory_utilization, extra, local_stages=workers)
 
@@ -77,6 +80,8 @@ def up(
     discovery_timeout: float = typer.Option(5.0, help="Seconds to browse for workers."),
     local_worker: bool = typer.Option(True, help="Run a stage on this host too."),
     cluster_token: str = typer.Option(None, help="Shared secret (else $METAL_CLUSTER_TOKEN, else the token file)."),
+    stage_timeout: float = typer.Option(
+        15.0, min=1, help="Seconds a stage may miss heartbeats before it counts as lost and the cluster re-plans."),
 ):
     """Coordinate a cluster: discover workers, place the layers, start the stages, serve the OpenAI API."""
     import os
@@ -95,6 +100,7 @@ def up(
         fail(f"no cluster token: run `metal-cluster token` and copy the file to every host, "
              f"or pass --cluster-token / set {TOKEN_ENV}")
     os.environ[TOKEN_ENV] = token  # for the executor and the local worker
+    _set_stage_timeout(stage_timeout)
     console = Console(stderr=True, soft_wrap=True)  # one line per event, whatever the width
     try:
         ip = cluster.interface_ip(interface)
@@ -114,6 +120,14 @@ def up(
         fail(str(e), code=1)
     cluster.show_plan(stages, console)
     _run_server(source, host, port, gpu_memory_utilization, extra, planned=stages, local_ip=ip)
+
+
+def _set_stage_timeout(seconds: float) -> None:
+    import os
+
+    from metal_cluster.coordinator.executor_env import STAGE_TIMEOUT_ENV
+
+    os.environ[STAGE_TIMEOUT_ENV] = str(seconds)  # read by the executor, in vLLM's engine process
 
 
 def _host_memory() -> int:
@@ -237,6 +251,38 @@ def down(
 
 
 @app.command()
+def rebalance(
+    url: str = typer.Option(None, envvar="METAL_CLUSTER_URL", help="The coordinator's API base URL."),
+    peers: str = typer.Option(None, help="Workers to add, host:port,... (returning or new ones)."),
+    mdns: bool = typer.Option(False, help="Also add idle workers found with Bonjour (mDNS) on --interface."),
+    interface: str = typer.Option(None, "--interface", help="Interface name or IPv4 address to browse on."),
+    discovery_timeout: float = typer.Option(5.0, help="Seconds to browse for workers."),
+    timeout: float = typer.Option(300.0, help="Seconds to wait for the new plan."),
+    cluster_token: str = typer.Option(None, help="Shared secret (else $METAL_CLUSTER_TOKEN, else the token file)."),
+):
+    """Re-plan a running cluster over its stages plus workers that came back or are new. A worker never
+    joins mid-traffic by itself; requests running at that moment end with a retryable error."""
+    from rich.console import Console
+
+    from metal_cluster.coordinator import status as view
+    from metal_cluster.coordinator import up as cluster
+    from metal_cluster.stage_worker.auth import resolve_token
+
+    console = Console(stderr=True, soft_wrap=True)
+    try:
+        target = view.find_url(url)
+        addresses = []
+        if peers or mdns:
+            token = resolve_token(cluster_token)
+            ip = cluster.interface_ip(interface)
+            hosts = cluster.discover(ip, peers, mdns, discovery_timeout, 0, token, console)
+            addresses = [h.grpc_address for h in hosts]
+        view.rebalance(target, addresses, timeout)
+    except (view.StatusError, cluster.UpError) as e:
+        fail(str(e), code=1)
+
+
+@app.command()
 def worker(
     ctx: typer.Context,
     host: str = typer.Option("127.0.0.1", help="Address the stage's gRPC service listens on."),
@@ -251,18 +297,20 @@ def worker(
         "Run this worker as a service instead (launchd agent on macOS, systemd user unit on Linux), with the "
         "flags given here; the config file still applies at each start.")),
     uninstall_service: bool = typer.Option(False, "--uninstall-service", help="Stop and remove that service."),
+    coordinator_timeout: float = typer.Option(
+        30.0, min=1, help="Seconds without a heartbeat from its coordinator before a serving worker frees itself."),
 ):
     """Run a stage-worker daemon: it waits for a coordinator to assign it layers."""
     from metal_cluster.stage_worker.auth import TOKEN_ENV, resolve_token
 
     if install_service or uninstall_service:
         return _worker_service(ctx, install_service, uninstall_service)
-    if interface and not _typed_here(ctx, "host"):
-        host = _interface_address(interface)
     token = resolve_token(cluster_token)
     if not token:
         fail(f"no cluster token: run `metal-cluster token` once and copy the file to every host, "
              f"or pass --cluster-token / set {TOKEN_ENV}")
+    if interface and not _typed_here(ctx, "host"):
+        host = _interface_address(interface)
     blas.use_openblas_if_present()
     import logging
 
@@ -273,7 +321,7 @@ def worker(
         announce = (advertise_ip or host) if advertise else None
         if announce == "0.0.0.0":
             fail("--host 0.0.0.0 listens everywhere; name the address to announce with --advertise-ip")
-        serve_stage(host, port, ring_port or port + 1, token, announce)
+        serve_stage(host, port, ring_port or port + 1, token, announce, coordinator_timeout)
     except OSError as e:
         fail(str(e))
 

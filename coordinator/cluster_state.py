@@ -46,6 +46,11 @@ class ClusterSnapshot:
     model: str
     nodes: list[NodeStatus] = field(default_factory=list)
     stages: list[StageStatus] = field(default_factory=list)
+    state: str = "serving"  # serving | healing (a stage was lost, re-planning) | unavailable
+    reason: str = ""  # why it is not serving
+    replans: int = 0
+    stage_losses: int = 0
+    events: list[dict] = field(default_factory=list)  # {"time", "message"}, oldest first
     updated: float = field(default_factory=time.time)
 
     def to_dict(self) -> dict:

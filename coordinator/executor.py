@@ -4,20 +4,32 @@ vLLM's EngineCore (scheduler, KV block manager) calls this with SchedulerOutputs
 StepRequest for the pipeline and its answer into a ModelRunnerOutput. No torch model ever runs.
 With N stages vLLM runs N steps at once (its pipeline-parallel batch queue), each over other
 requests, so stage k works on step n while stage k+1 works on step n-1.
+
+When a step fails or a stage stops answering heartbeats, the steps in flight are answered at once
+with a `StageLossOutput` (their requests end with a clear error) and a re-plan runs in the
+background (replan.py) while the scheduler holds everything that has not started.
 """
 
 import logging
 import os
 import threading
+import time
 from concurrent.futures import Future
-from pathlib import Path
 from functools import cached_property
+from pathlib import Path
 
+from vllm.outputs import RequestError
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
+from metal_cluster.coordinator import replan
+from metal_cluster.coordinator.cluster_control import CONTROL_KEY, ClusterControl
+from metal_cluster.coordinator.cluster_scheduler import loss_output
 from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV
-from metal_cluster.coordinator.executor_env import LAYERS_ENV, NO_OVERLAP_ENV, STAGES_ENV
+from metal_cluster.coordinator.executor_env import (
+    DEFAULT_STAGE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, LAYERS_ENV, NO_OVERLAP_ENV, STAGE_TIMEOUT_ENV, STAGES_ENV,
+    STEP_TIMEOUT_ENV,
+)
 from metal_cluster.coordinator.monitor import Monitor
 from metal_cluster.coordinator.stages import LocalStage, Pipeline, RemoteStage, even_split
 from metal_cluster.coordinator.step_translation import StepTranslator, to_runner_output
@@ -28,6 +40,7 @@ from metal_cluster.stage_worker.model_source import kv_geometry
 log = logging.getLogger("vllm.metal_cluster.executor")
 
 RING_TIMEOUT_S = 60
+LOCAL = "local"  # the address of the in-process stage of a single-machine server
 
 
 def _done(value=None, error=None) -> Future:
@@ -56,16 +69,21 @@ class ClusterExecutor(Executor):
     supports_pp = True
 
     def _init_executor(self) -> None:
-        addresses = [a for a in os.environ.get(STAGES_ENV, "").split(",") if a]
-        self.pipeline = Pipeline([RemoteStage(a) for a in addresses] if addresses else [LocalStage()])
+        self.stage_timeout_s = float(os.environ.get(STAGE_TIMEOUT_ENV, DEFAULT_STAGE_TIMEOUT_S))
+        self.step_timeout_s = float(os.environ.get(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S))
+        self.local_stage = None
+        self.addresses = [a for a in os.environ.get(STAGES_ENV, "").split(",") if a] or [LOCAL]
+        self.pipeline = Pipeline([self._stage(a) for a in self.addresses])
         num_layers = self.model_config.hf_config.num_hidden_layers
         planned = os.environ.get(LAYERS_ENV)
         self.ranges = ([tuple(int(x) for x in r.split("-")) for r in planned.split(",")] if planned
                        else even_split(num_layers, len(self.pipeline)))
         log.info("loading %s: %d layers over %d stage(s) %s, then a %d-token warm-up per stage",
-                 os.path.basename(self.model_config.model), num_layers, len(self.pipeline), self.ranges,
+                 self.model_name, num_layers, len(self.pipeline), self.ranges,
                  self.scheduler_config.max_num_batched_tokens)
-        self.shares = self._utilization_per_stage()
+        self.healths = [s.health() for s in self.pipeline.stages]
+        self.shares = replan.shares_per_host([h.host_id for h in self.healths],
+                                             self.cache_config.gpu_memory_utilization)
         self.assigned = self.pipeline.assign(
             self.model_config.model, self.ranges, self.cache_config.block_size,
             self.scheduler_config.max_num_batched_tokens, self.shares,
@@ -74,14 +92,25 @@ class ClusterExecutor(Executor):
             log.info("stage %s: layers [%d, %d), %.2f GiB weights, %.2f GiB activations, KV budget %.2f GiB",
                      stage.name, a, b, r.weights_bytes / 2**30, r.activation_bytes / 2**30, r.kv_budget_bytes / 2**30)
         self.translator = StepTranslator()
-        self.translator_lock = threading.Lock()
+        self.lock = threading.Lock()  # the translator, the pipeline and the steps in flight change together
+        self.inflight: dict[Future, object] = {}  # answer -> its SchedulerOutput
         self.pending = None
         self.overlap = os.environ.get(NO_OVERLAP_ENV) != "1"
+        # The scheduler finds this in the config both are built from (see cluster_control.py).
+        self.control = ClusterControl()
+        if isinstance(self.vllm_config.additional_config, dict):
+            self.vllm_config.additional_config[CONTROL_KEY] = self.control
+        self.monitor = None
 
-    def _utilization_per_stage(self) -> list[float]:
-        """--gpu-memory-utilization is per host: stages sharing a machine split its share."""
-        hosts = [s.health().host_id for s in self.pipeline.stages]
-        return [self.cache_config.gpu_memory_utilization / hosts.count(h) for h in hosts]
+    @property
+    def model_name(self) -> str:
+        return os.path.basename(self.model_config.model)
+
+    def _stage(self, address: str):
+        if address == LOCAL:
+            self.local_stage = self.local_stage or LocalStage()
+            return self.local_stage
+        return RemoteStage(address, step_timeout_s=self.step_timeout_s)
 
     # --- KV cache sizing: one entry per stage; vLLM takes the minimum block count over them ----------
     def get_kv_cache_specs(self):
@@ -115,16 +144,14 @@ class ClusterExecutor(Executor):
         return [r.kv_budget_bytes for r in self.assigned]
 
     def initialize_from_config(self, kv_cache_configs) -> None:
-        num_blocks = min(c.num_blocks for c in kv_cache_configs)
+        self.num_blocks = min(c.num_blocks for c in kv_cache_configs)
         block_size = self.cache_config.block_size
-        hosts = [f"{s.name.rsplit(':', 1)[0]}:{s.health().ring_port}" for s in self.pipeline.stages] \
-            if len(self.pipeline) > 1 else []
-        self.pipeline.start(num_blocks, hosts, RING_TIMEOUT_S)
-        log.info("KV cache: %d blocks x %d tokens = %d tokens on every stage", num_blocks, block_size,
-                 num_blocks * block_size)
+        self.pipeline.start(self.num_blocks, replan.ring_hosts(self.pipeline.stages, self.healths), RING_TIMEOUT_S)
+        log.info("KV cache: %d blocks x %d tokens = %d tokens on every stage", self.num_blocks, block_size,
+                 self.num_blocks * block_size)
         run_dir = os.environ.get(RUN_DIR_ENV)
-        self.monitor = Monitor(self.pipeline, self.ranges, os.path.basename(self.model_config.model),
-                               Path(run_dir) if run_dir else None)
+        self.monitor = Monitor(self.pipeline, self.ranges, self.model_name, Path(run_dir) if run_dir else None,
+                               self.control, self.stage_timeout_s, on_lost=self._lose)
         self.monitor.start()
 
     def compile_or_warm_up_model(self) -> None:
@@ -144,9 +171,15 @@ class ClusterExecutor(Executor):
     def _execute(self, so):
         if so.total_num_scheduled_tokens == 0:
             # Nothing to run, but the stages must still forget finished requests.
-            with self.translator_lock:
+            with self.lock:
+                if self.control.state != "serving":
+                    return EMPTY_MODEL_RUNNER_OUTPUT  # the next plan's stages never knew them
                 step = self.translator.to_step(so)
-            self.pipeline.submit(step).result()
+                pipeline, generation = self.pipeline, self.control.generation
+            try:
+                pipeline.submit(step).result()
+            except Exception as e:
+                self._lose(f"a step failed: {e}", generation)
             return EMPTY_MODEL_RUNNER_OUTPUT
         # The grammar bitmask for this step only arrives in sample_tokens, so the step goes out there.
         self.pending = so
@@ -154,29 +187,110 @@ class ClusterExecutor(Executor):
 
     def _sample(self, grammar_output) -> Future:
         so, self.pending = self.pending, None
-        with self.translator_lock:
-            step = self.translator.to_step(so, grammar_output)
-        answer = self.pipeline.submit(step)
         out = Future()
+        with self.lock:
+            if self.control.state != "serving":
+                out.set_result(loss_output(so, self._failure(), self.control.outage_id))
+                return out
+            step = self.translator.to_step(so, grammar_output)
+            pipeline, generation = self.pipeline, self.control.generation
+            self.inflight[out] = so
 
         def done(f):
-            # Record the sampled tokens before anyone sees the output: the scheduler may put these
-            # requests into the very next step.
             try:
                 response = f.result()
-                with self.translator_lock:
-                    self.translator.record(response)
-                out.set_result(to_runner_output(so, response))
             except Exception as e:
-                out.set_exception(e)
+                self._lose(f"a step failed: {e}", generation)
+                return
+            with self.lock:
+                if self.inflight.pop(out, None) is None:
+                    return  # an outage has answered it already
+                # Record the sampled tokens before anyone sees the output: the scheduler may put
+                # these requests into the very next step.
+                self.translator.record(response)
+            out.set_result(to_runner_output(so, response))
 
-        answer.add_done_callback(done)
+        pipeline.submit(step).add_done_callback(done)
         if not self.overlap:
             out.exception()  # wait: the next step goes out only after this one is back
         return out
 
     def take_draft_token_ids(self):
         return None
+
+    # --- faults and re-plans --------------------------------------------------------------------
+    def _failure(self) -> RequestError:
+        if self.control.state == "unavailable":
+            return RequestError(code="cluster_unavailable", message=self.control.reason, retryable=True)
+        return RequestError(
+            code="stage_lost", retryable=True,
+            message=f"this request was running when the cluster lost a stage ({self.control.reason}); "
+                    "the cluster is re-planning on the hosts that remain: retry the request",
+        )
+
+    def _lose(self, reason: str, generation: int | None = None, lost: int = 1) -> None:
+        """A stage of plan `generation` failed: answer every step in flight, then re-plan."""
+        self._begin_outage(reason, generation, lost, ())
+
+    def rebalance(self, addresses: list[str]) -> str:
+        """`metal-cluster rebalance`: re-plan over the stages we have plus `addresses` (returning or
+        new workers). Runs in the background; the requests in flight end with a retryable error."""
+        started = self._begin_outage("re-planning on the operator's request (metal-cluster rebalance)", None, 0,
+                                     tuple(addresses))
+        return "re-planning" if started else "a re-plan is already running"
+
+    def _begin_outage(self, reason, generation, lost, extra) -> bool:
+        with self.lock:
+            if generation is not None and generation != self.control.generation:
+                return False  # a stage of an older plan; that one is over
+            outage_id = self.control.begin_outage(reason, lost)
+            if outage_id is None:
+                return False
+            answered, self.inflight = self.inflight, {}
+        log.warning("cluster: %s; ending %d step(s) in flight and re-planning", reason, len(answered))
+        failure = self._failure()
+        for out, so in answered.items():
+            out.set_result(loss_output(so, failure, outage_id))
+        threading.Thread(target=self._heal, args=(reason, extra), name="replan", daemon=True).start()
+        return True
+
+    def _heal(self, reason: str, extra: tuple[str, ...]) -> None:
+        started = time.monotonic()
+        candidates = [self._stage(a) for a in dict.fromkeys([*self.addresses, *extra])]
+        alive, lost = replan.answering(candidates, timeout_s=min(5.0, self.stage_timeout_s))
+        for why in lost:
+            log.warning("cluster: left out of the new plan: %s", why)
+        self.pipeline.close()  # ends steps still waiting on the old stages
+        stages, healths = replan.reset_all(alive, reason, started + replan.RESET_TIMEOUT_S)
+        try:
+            plan = replan.build(stages, healths, self._settings())
+        except replan.ReplanError as e:
+            self.addresses = [s.name for s in stages]  # idle now; a rebalance can use them again
+            message = (f"cannot serve {self.model_name} on the hosts that remain: {e}; start or fix a worker, "
+                       "then run `metal-cluster rebalance`")
+            log.error("cluster: %s", message)
+            self.monitor.follow(Pipeline(stages), [(0, 0)] * len(stages), self.control.generation)
+            self.control.settle("unavailable", message)
+            return
+        with self.lock:
+            self.pipeline, self.ranges, self.assigned = plan.pipeline, plan.ranges, plan.assigned
+            self.addresses = [s.name for s in plan.pipeline.stages]
+            self.translator = StepTranslator()
+        message = (f"re-planned in {time.monotonic() - started:.1f}s: {len(plan.ranges)} stage(s) "
+                   + ", ".join(f"{s.name} [{a}, {b})" for s, (a, b) in zip(plan.pipeline.stages, plan.ranges))
+                   + f"; {plan.num_blocks} KV blocks")
+        log.info("cluster: %s", message)
+        self.control.settle("serving", message, plan.num_blocks)
+        self.monitor.follow(plan.pipeline, plan.ranges, self.control.generation)
+
+    def _settings(self) -> replan.Settings:
+        return replan.Settings(
+            model=self.model_config.model, config=self.model_config.hf_config.to_dict(),
+            block_size=self.cache_config.block_size,
+            max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
+            utilization=self.cache_config.gpu_memory_utilization, max_model_len=self.model_config.max_model_len,
+            num_blocks=self.num_blocks, ring_timeout_s=RING_TIMEOUT_S,
+        )
 
     # --- the rest of vLLM's executor surface ------------------------------------------------------
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False):

@@ -8,3 +8,11 @@ NO_OVERLAP_ENV = "METAL_CLUSTER_NO_OVERLAP"
 
 # Layer ranges of the stages, "start-end,start-end,...", from placement; unset = an even split.
 LAYERS_ENV = "METAL_CLUSTER_LAYERS"
+
+# Seconds a stage may miss heartbeats before it counts as lost (and the cluster re-plans).
+STAGE_TIMEOUT_ENV = "METAL_CLUSTER_STAGE_TIMEOUT"
+DEFAULT_STAGE_TIMEOUT_S = 15.0
+
+# Seconds one step may take on the stages before it counts as stuck: a backstop behind heartbeats.
+STEP_TIMEOUT_ENV = "METAL_CLUSTER_STEP_TIMEOUT"
+DEFAULT_STEP_TIMEOUT_S = 600.0

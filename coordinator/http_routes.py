@@ -2,9 +2,14 @@
 
   GET  /metal-cluster/status   the nodes/stages snapshot the executor keeps
   POST /metal-cluster/drain    stop admitting new requests (503); running ones finish
+  POST /metal-cluster/rebalance  re-plan over the stages plus {"peers": ["host:port", ...]}
   GET  /metrics                vLLM's metrics plus per-stage cluster gauges
+
+While the cluster cannot hold the model (stages lost, too few hosts left) new requests get a 503
+that says why, at once, instead of waiting for a plan that is not coming.
 """
 
+import json
 import os
 from pathlib import Path
 
@@ -32,6 +37,15 @@ def _gauges(snapshot: dict) -> str:
         "# TYPE metal_cluster_stage_ring_bytes_sent_total counter",
         "# HELP metal_cluster_node_up 1 when a node answers heartbeats.",
         "# TYPE metal_cluster_node_up gauge",
+        "# HELP metal_cluster_serving 1 when the cluster serves, 0 while it re-plans or cannot hold the model.",
+        "# TYPE metal_cluster_serving gauge",
+        f"metal_cluster_serving {int(snapshot.get('state', 'serving') == 'serving')}",
+        "# HELP metal_cluster_stage_losses_total Stages lost (dead or silent past the stage timeout).",
+        "# TYPE metal_cluster_stage_losses_total counter",
+        f"metal_cluster_stage_losses_total {snapshot.get('stage_losses', 0)}",
+        "# HELP metal_cluster_replans_total New plans put in place after a loss or a rebalance.",
+        "# TYPE metal_cluster_replans_total counter",
+        f"metal_cluster_replans_total {snapshot.get('replans', 0)}",
     ]
     for k, stage in enumerate(snapshot.get("stages", [])):
         label = f'stage="{k}",node="{stage["node"]}",layers="{stage["layers"][0]}-{stage["layers"][1]}"'
@@ -62,8 +76,14 @@ async def cluster_routes(request, call_next):
     if path == "/metal-cluster/drain" and method == "POST":
         state.metal_cluster_draining = True
         return JSONResponse({"draining": True})
-    if getattr(state, "metal_cluster_draining", False) and method == "POST" and path.startswith("/v1/"):
-        return _error(503, "this server is shutting down and takes no new requests", "ServiceUnavailable")
+    if path == "/metal-cluster/rebalance" and method == "POST":
+        return await _rebalance(request)
+    if method == "POST" and path.startswith("/v1/"):
+        if getattr(state, "metal_cluster_draining", False):
+            return _error(503, "this server is shutting down and takes no new requests", "ServiceUnavailable")
+        snapshot = _snapshot()
+        if snapshot and snapshot.get("state") == "unavailable":
+            return _error(503, snapshot.get("reason") or "the cluster cannot serve the model now", "ServiceUnavailable")
     response = await call_next(request)
     if path == "/metrics" and method == "GET" and response.status_code == 200:
         body = b"".join([chunk async for chunk in response.body_iterator])
@@ -73,3 +93,14 @@ async def cluster_routes(request, call_next):
         return Response(body + extra, status_code=200, headers=headers)
     return response
 
+
+
+async def _rebalance(request):
+    try:
+        peers = json.loads(await request.body() or b"{}").get("peers", [])
+    except (json.JSONDecodeError, AttributeError):
+        peers = None
+    if not isinstance(peers, list) or not all(isinstance(p, str) and ":" in p for p in peers):
+        return _error(400, 'the body must be {"peers": ["host:port", ...]}', "BadRequestError")
+    answers = await request.app.state.engine_client.collective_rpc("rebalance", args=(peers,))
+    return JSONResponse({"rebalance": answers[0] if answers else "not supported by this engine", "peers": peers})

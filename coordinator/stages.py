@@ -49,7 +49,16 @@ class LocalStage:
     def start(self, req):
         return self.host.start(req)
 
-    def health(self):
+    def health(self, timeout=None, heartbeat=False):
+        return self.host.health()
+
+    def reset(self, reason: str):
+        """In-process there is no ring to rejoin: a fresh StageHost is a fresh stage."""
+        from metal_cluster.stage_worker.host import StageHost
+
+        self.host = StageHost()
+
+    def wait_ready(self, deadline: float, still_starting=lambda: True):
         return self.host.health()
 
     def submit(self, req) -> Future:
@@ -60,9 +69,10 @@ class LocalStage:
 
 
 class RemoteStage:
-    def __init__(self, address: str, token: str | None = None, timeout_s: float = 600):
+    def __init__(self, address: str, token: str | None = None, timeout_s: float = 600, step_timeout_s: float = 600):
         self.name = address
         self.timeout_s = timeout_s
+        self.step_timeout_s = step_timeout_s
         self.metadata = call_metadata(token if token is not None else resolve_token())
         self.channel = grpc.insecure_channel(
             address,
@@ -82,8 +92,12 @@ class RemoteStage:
     def start(self, req):
         return self._call(self.stub.Start, req)
 
-    def health(self, timeout=5):
-        return self._call(self.stub.Health, pb.HealthRequest(version=PROTO_VERSION), timeout)
+    def health(self, timeout=5, heartbeat=False):
+        return self._call(self.stub.Health, pb.HealthRequest(version=PROTO_VERSION, heartbeat=heartbeat), timeout)
+
+    def reset(self, reason: str):
+        """The worker drops its plan by re-executing itself; wait_ready then sees it back, idle."""
+        return self._call(self.stub.Reset, pb.ResetRequest(version=PROTO_VERSION, reason=reason), 5)
 
     def wait_ready(self, deadline: float, still_starting=lambda: True):
         """Health, polling while the worker is not reachable yet (still starting) until `deadline`
@@ -102,7 +116,7 @@ class RemoteStage:
 
     def submit(self, req) -> Future:
         out = Future()
-        call = self.stub.Step.future(req, timeout=self.timeout_s, metadata=self.metadata)
+        call = self.stub.Step.future(req, timeout=self.step_timeout_s, metadata=self.metadata)
 
         def done(c):
             try:
@@ -147,22 +161,22 @@ class Pipeline:
         list(self.pool.map(lambda sr: sr[0].start(sr[1]), zip(self.stages, reqs)))
 
     def submit(self, step: pb.StepRequest) -> Future:
-        """Every stage gets every step; the answer is the last stage's, or the first error."""
+        """Every stage gets every step; the answer is the last stage's. The first error answers at
+        once: the other stages may be blocked on the ring behind the one that failed."""
         futures = [s.submit(step) for s in self.stages]
         out = Future()
         remaining = [len(futures)]
         lock = threading.Lock()
 
-        def done(_):
+        def done(f):
             with lock:
                 remaining[0] -= 1
-                if remaining[0]:
+                if out.done():
                     return
-            for f in futures:
                 if f.exception() is not None:
                     out.set_exception(f.exception())
-                    return
-            out.set_result(futures[-1].result())
+                elif not remaining[0]:
+                    out.set_result(futures[-1].result())
 
         for f in futures:
             f.add_done_callback(done)

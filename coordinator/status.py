@@ -38,8 +38,8 @@ def _get(url: str, timeout=5) -> bytes:
         raise StatusError(f"no coordinator answers at {url}: {getattr(e, 'reason', e)}") from None
 
 
-def _post(url: str, timeout=5) -> bytes:
-    req = urllib.request.Request(url, data=b"", method="POST")
+def _post(url: str, timeout=5, body: bytes = b"") -> bytes:
+    req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return r.read()
@@ -68,6 +68,7 @@ def collect(url: str, previous: dict | None = None) -> dict:
         "draining": snapshot.get("draining", False),
         "nodes": snapshot.get("nodes", []),
         "stages": snapshot.get("stages", []),
+        "cluster": {k: snapshot.get(k) for k in ("state", "reason", "replans", "stage_losses", "events")},
         "requests": {
             "running": int(_metric(metrics, "vllm:num_requests_running")),
             "waiting": int(_metric(metrics, "vllm:num_requests_waiting")),
@@ -103,7 +104,16 @@ def render(view: dict) -> Group:
     ttft = f"{view['mean_ttft_s']:.2f}s" if view["mean_ttft_s"] is not None else "-"
     summary = (f"requests: {r['running']} running, {r['waiting']} waiting   "
                f"output: {view['output_tokens_per_s']:.1f} tokens/s   mean TTFT: {ttft}")
-    return Group(nodes, stages, summary)
+    return Group(nodes, stages, summary, *_cluster_lines(view.get("cluster") or {}))
+
+
+def _cluster_lines(cluster: dict) -> list[str]:
+    state = cluster.get("state") or "serving"
+    lines = [f"cluster: {state}" + (f" — {cluster['reason']}" if cluster.get("reason") else "")
+             + f"   stage losses: {cluster.get('stage_losses') or 0}   re-plans: {cluster.get('replans') or 0}"]
+    for event in (cluster.get("events") or [])[-5:]:
+        lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(event['time']))}  {event['message']}")
+    return lines
 
 
 def show(url: str, as_json: bool, watch: bool) -> None:
@@ -149,6 +159,26 @@ def bring_down(url: str, timeout: float, workers_too: bool) -> None:
     for p in left:
         os.kill(p, signal.SIGKILL)
     console.print(f"stopped {url}" + (f" (killed {len(left)} process(es) that did not stop)" if left else ""))
+
+
+def rebalance(url: str, peers: list[str], timeout: float) -> None:
+    """Ask the coordinator to re-plan over its stages plus `peers`, and follow it to the end."""
+    console = Console(stderr=True, soft_wrap=True)
+    before = collect(url)["cluster"].get("replans") or 0
+    asked = time.time()
+    answer = json.loads(_post(f"{url}/metal-cluster/rebalance", timeout=30, body=json.dumps({"peers": peers}).encode()))
+    console.print(f"{url}: {answer['rebalance']}" + (f" with {', '.join(peers)}" if peers else ""))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(1)
+        cluster = collect(url)["cluster"]
+        last_event = (cluster.get("events") or [{"time": 0}])[-1]["time"]
+        if cluster.get("state") == "unavailable" and last_event > asked:
+            raise StatusError(cluster.get("reason") or "the cluster cannot serve the model")
+        if cluster.get("state") == "serving" and (cluster.get("replans") or 0) > before:
+            console.print(cluster["events"][-1]["message"] if cluster.get("events") else "serving")
+            return
+    raise StatusError(f"the re-plan did not finish in {timeout:.0f}s; see `metal-cluster status`")
 
 
 def _stop_remote_workers(view, console):

@@ -10,6 +10,7 @@ from vllm.platforms.interface import Platform, PlatformEnum
 
 ACTIVATE_ENV = "METAL_CLUSTER_VLLM"
 EXECUTOR = "metal_cluster.coordinator.executor.ClusterExecutor"
+SCHEDULER = "metal_cluster.coordinator.cluster_scheduler.ClusterScheduler"
 STUB_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 # Request fields the MLX sampler does not implement: refused with a 400 naming them, never ignored.
@@ -105,6 +106,8 @@ class MetalClusterPlatform(Platform):
         if parallel.distributed_executor_backend in (None, "uni", "mp"):
             parallel.distributed_executor_backend = EXECUTOR
         vllm_config.scheduler_config.async_scheduling = False
+        if vllm_config.scheduler_config.scheduler_cls is None:
+            vllm_config.scheduler_config.scheduler_cls = SCHEDULER  # holds requests while stages re-plan
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:

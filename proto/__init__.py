@@ -3,6 +3,6 @@
 from metal_cluster.proto import cluster_pb2 as pb
 
 # Peers with another version are refused: a Step's meaning must not drift silently between hosts.
-PROTO_VERSION = 1
+PROTO_VERSION = 2  # 2: Reset, heartbeats
 
 __all__ = ["pb", "PROTO_VERSION"]

@@ -181,13 +181,15 @@ class StartResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthRequest(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "heartbeat")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    heartbeat: bool
+    def __init__(self, version: _Optional[int] = ..., heartbeat: _Optional[bool] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("version", "state", "node_id", "layer_start", "layer_end", "num_blocks", "num_requests", "resident_bytes", "steps", "ring_port", "host_id", "kv_blocks_used", "host_memory_bytes", "host_memory_available_bytes", "device", "step_seconds", "ring_bytes_sent")
+    __slots__ = ("version", "state", "node_id", "layer_start", "layer_end", "num_blocks", "num_requests", "resident_bytes", "steps", "ring_port", "host_id", "kv_blocks_used", "host_memory_bytes", "host_memory_available_bytes", "device", "step_seconds", "ring_bytes_sent", "coordinator_silent_s")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +207,7 @@ class HealthResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RING_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    COORDINATOR_SILENT_S_FIELD_NUMBER: _ClassVar[int]
     version: int
     state: str
     node_id: str
@@ -222,7 +225,8 @@ class HealthResponse(_message.Message):
     device: str
     step_seconds: float
     ring_bytes_sent: int
-    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., node_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., ring_port: _Optional[int] = ..., host_id: _Optional[str] = ..., kv_blocks_used: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., host_memory_available_bytes: _Optional[int] = ..., device: _Optional[str] = ..., step_seconds: _Optional[float] = ..., ring_bytes_sent: _Optional[int] = ...) -> None: ...
+    coordinator_silent_s: float
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., node_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., ring_port: _Optional[int] = ..., host_id: _Optional[str] = ..., kv_blocks_used: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., host_memory_available_bytes: _Optional[int] = ..., device: _Optional[str] = ..., step_seconds: _Optional[float] = ..., ring_bytes_sent: _Optional[int] = ..., coordinator_silent_s: _Optional[float] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("version",)
@@ -231,5 +235,17 @@ class ShutdownRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class ShutdownResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ResetRequest(_message.Message):
+    __slots__ = ("version", "reason")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    reason: str
+    def __init__(self, version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ResetResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -59,6 +59,11 @@ class StageStub:
                 request_serializer=cluster__pb2.ShutdownRequest.SerializeToString,
                 response_deserializer=cluster__pb2.ShutdownResponse.FromString,
                 _registered_method=True)
+        self.Reset = channel.unary_unary(
+                '/metal_cluster.v1.Stage/Reset',
+                request_serializer=cluster__pb2.ResetRequest.SerializeToString,
+                response_deserializer=cluster__pb2.ResetResponse.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -94,6 +99,12 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reset(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +132,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Shutdown,
                     request_deserializer=cluster__pb2.ShutdownRequest.FromString,
                     response_serializer=cluster__pb2.ShutdownResponse.SerializeToString,
+            ),
+            'Reset': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reset,
+                    request_deserializer=cluster__pb2.ResetRequest.FromString,
+                    response_serializer=cluster__pb2.ResetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +274,33 @@ class Stage:
             '/metal_cluster.v1.Stage/Shutdown',
             cluster__pb2.ShutdownRequest.SerializeToString,
             cluster__pb2.ShutdownResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reset(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/metal_cluster.v1.Stage/Reset',
+            cluster__pb2.ResetRequest.SerializeToString,
+            cluster__pb2.ResetResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -42,8 +42,16 @@ class StageHost:
         # Steps run strictly in step_id order: ring messages between stages match only that way.
         self.turn = threading.Condition()
         self.next_step = 0
+        self.last_contact = time.monotonic()  # the owning coordinator's last step or heartbeat
 
     # --- control ---------------------------------------------------------------------------------
+    def touch(self) -> None:
+        """The coordinator that owns this stage is alive (a step, a heartbeat, an assign or start)."""
+        self.last_contact = time.monotonic()
+
+    def coordinator_silent_s(self) -> float:
+        return 0.0 if self.state == "idle" else time.monotonic() - self.last_contact
+
     def assign(self, req: pb.AssignRequest) -> pb.AssignResponse:
         check_version(req.version)
         with self.lock:
@@ -58,6 +66,7 @@ class StageHost:
             activation = self._measure_activation_peak(req.max_num_batched_tokens)
             budget = memory.kv_budget(req.memory_utilization or 0.5, weights, activation)
             self.state = "loaded"
+            self.touch()
             return pb.AssignResponse(
                 weights_bytes=weights,
                 activation_bytes=activation,
@@ -76,6 +85,7 @@ class StageHost:
                 self.ring = Ring.join(req.rank, req.world_size, req.ring_hostfile, req.ring_timeout_s or 60)
             self.runner = StageRunner(self.shard, self._allocate(req.num_blocks))
             self.state = "serving"
+            self.touch()
         return pb.StartResponse()
 
     def health(self) -> pb.HealthResponse:
@@ -99,6 +109,7 @@ class StageHost:
             device=device_name(),
             step_seconds=self.last_step_s,
             ring_bytes_sent=self.ring.bytes_sent if self.ring else 0,
+            coordinator_silent_s=self.coordinator_silent_s(),
         )
 
     # --- data ------------------------------------------------------------------------------------
@@ -106,6 +117,7 @@ class StageHost:
         check_version(req.version)
         if self.state != "serving":
             raise StageStateError(f"a step needs a started stage; this one is {self.state}")
+        self.touch()
         with self.turn:
             if not self.turn.wait_for(lambda: req.step_id <= self.next_step, wait_s):
                 raise StepError(f"step {req.step_id} waited {wait_s:.0f}s for step {self.next_step}, which never came")

@@ -1,7 +1,14 @@
 """`metal-cluster worker`: the stage daemon. A gRPC face on a StageHost; errors become statuses
-that name the problem, and the worker stays up."""
+that name the problem, and the worker stays up.
+
+A plan ends with a reset: the process re-executes itself (same pid, same ports) and comes back idle,
+because MLX's ring can be joined only once per process. A coordinator asks for it (Reset) when it
+re-plans; the worker does it by itself when its coordinator has been silent too long.
+"""
 
 import logging
+import os
+import sys
 import threading
 from concurrent import futures
 
@@ -11,7 +18,7 @@ from metal_cluster.proto import cluster_pb2_grpc as pb_grpc
 from metal_cluster.proto import pb
 from metal_cluster.stage_worker.auth import TokenCheck
 from metal_cluster.stage_worker.errors import ModelLoadError
-from metal_cluster.stage_worker.host import StageHost, StageStateError, VersionError
+from metal_cluster.stage_worker.host import StageHost, StageStateError, VersionError, check_version
 from metal_cluster.stage_worker.request_table import StepError
 from metal_cluster.stage_worker.ring import RingError
 
@@ -25,6 +32,8 @@ STATUS = {
     RingError: grpc.StatusCode.UNAVAILABLE,
 }
 MAX_MESSAGE = 256 * 1024 * 1024
+NODE_ID_ENV = "METAL_CLUSTER_NODE_ID"  # kept across a reset, so the worker keeps its name
+LOADED_LIMIT_S = 600  # assigned but never started: the coordinator died while other stages loaded
 
 
 def _rpc(method):
@@ -43,9 +52,10 @@ def _rpc(method):
 
 
 class StageService(pb_grpc.StageServicer):
-    def __init__(self, host: StageHost, stop: threading.Event):
+    def __init__(self, host: StageHost, stop: threading.Event, reset: "ResetRequest"):
         self.host = host
         self.stop = stop
+        self.reset = reset
 
     @_rpc
     def Assign(self, req):
@@ -67,6 +77,8 @@ class StageService(pb_grpc.StageServicer):
 
     @_rpc
     def Health(self, req):
+        if req.heartbeat:
+            self.host.touch()
         return self.host.health()
 
     @_rpc
@@ -75,17 +87,56 @@ class StageService(pb_grpc.StageServicer):
         self.stop.set()
         return pb.ShutdownResponse()
 
+    @_rpc
+    def Reset(self, req):
+        check_version(req.version)
+        self.reset.set_reason(req.reason or "the coordinator asked for it")
+        self.stop.set()
+        return pb.ResetResponse()
+
+
+class ResetRequest:
+    """Why the worker is going to re-execute itself once its gRPC server has stopped (None: it isn't)."""
+
+    def __init__(self):
+        self.reason: str | None = None
+
+    def set_reason(self, reason: str) -> None:
+        self.reason = self.reason or reason
+
+
+def _watch_coordinator(host: StageHost, timeout_s: float, reset: ResetRequest, stop: threading.Event):
+    """A serving stage whose coordinator went quiet (it crashed or restarted) frees itself, so that a
+    new coordinator finds it idle without anyone restarting this worker."""
+    while not stop.wait(1.0):
+        limit = timeout_s if host.state == "serving" else max(timeout_s, LOADED_LIMIT_S)
+        if host.state != "idle" and host.coordinator_silent_s() > limit:
+            reset.set_reason(f"no word from the coordinator for {limit:.0f}s")
+            stop.set()
+
+
+def _reexec(reason: str) -> None:
+    log.info("resetting (%s): restarting this worker process idle", reason)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # MLX's ring sockets are not close-on-exec; a leaked listener would hold the ring port.
+    os.closerange(3, 65536)
+    os.execv(sys.executable, sys.orig_argv)
+
 
 def serve(host: str, port: int, ring_port: int, token: str, advertise_ip: str | None = None,
-          node_id: str | None = None) -> None:
+          coordinator_timeout_s: float = 30.0) -> None:
     stop = threading.Event()
+    reset = ResetRequest()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc"),
         interceptors=[TokenCheck(token)],
         options=[("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)],
     )
-    stage = StageHost(node_id=node_id, ring_port=ring_port)
-    pb_grpc.add_StageServicer_to_server(StageService(stage, stop), server)
+    stage = StageHost(node_id=os.environ.get(NODE_ID_ENV), ring_port=ring_port)
+    os.environ[NODE_ID_ENV] = stage.node_id
+    pb_grpc.add_StageServicer_to_server(StageService(stage, stop, reset), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}")
@@ -98,11 +149,17 @@ def serve(host: str, port: int, ring_port: int, token: str, advertise_ip: str | 
 
         advertiser = Advertiser(advertise_ip, stage.node_id, bound, ring_port, device_name())
         log.info("announcing %s on %s (mDNS)", advertiser.info.name, advertise_ip)
+    threading.Thread(target=_watch_coordinator, args=(stage, coordinator_timeout_s, reset, stop),
+                     name="coordinator-watch", daemon=True).start()
     try:
-        stop.wait()
+        while not stop.wait(0.5):  # a plain wait() would not see Ctrl-C
+            pass
     except KeyboardInterrupt:
         pass
     if advertiser:
         advertiser.close()
-    server.stop(grace=2).wait()
+    # A reset must not wait for a step stuck in a ring transfer: the new process image ends it.
+    server.stop(grace=0.5 if reset.reason else 2).wait(5)
+    if reset.reason:
+        _reexec(reset.reason)
     log.info("worker stopped")

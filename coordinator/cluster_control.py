@@ -1,0 +1,83 @@
+"""The pipeline's health as the engine process sees it: serving, healing after a lost stage, or
+unavailable. The executor changes it; the scheduler waits on it, so that requests that have not
+started yet are held while the cluster re-plans instead of being sent to stages that are gone.
+
+One object per engine, handed from the executor to the scheduler through vLLM's config (the only
+thing both are built from), under CONTROL_KEY of `additional_config`, the platform's own slot.
+"""
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+CONTROL_KEY = "metal_cluster_control"
+MAX_EVENTS = 20
+
+
+@dataclass
+class PlanView:
+    """What the scheduler needs of the current plan."""
+
+    generation: int  # +1 per plan: the scheduler resets its prefix cache when this changes
+    state: str  # serving | healing | unavailable
+    capacity_blocks: int | None  # KV blocks the stages hold now; None: all of vLLM's
+
+
+@dataclass
+class Event:
+    time: float
+    message: str
+
+
+@dataclass
+class ClusterControl:
+    generation: int = 0
+    state: str = "serving"
+    reason: str = ""
+    capacity_blocks: int | None = None
+    outage_id: int = 0  # the outage now (or last) being healed
+    stage_losses: int = 0
+    replans: int = 0
+    events: list[Event] = field(default_factory=list)
+    changed: threading.Condition = field(default_factory=threading.Condition)
+
+    def begin_outage(self, reason: str, lost: int) -> int | None:
+        """Mark the pipeline broken; the outage id, or None when one is already being healed."""
+        with self.changed:
+            if self.state == "healing":
+                return None
+            self.state, self.reason = "healing", reason
+            self.outage_id += 1
+            self.stage_losses += lost
+            self._note(reason)
+            self.changed.notify_all()
+            return self.outage_id
+
+    def settle(self, state: str, message: str, capacity_blocks: int | None = None) -> None:
+        """The end of a re-plan: serving on a new plan, or unavailable with the reason."""
+        with self.changed:
+            self.state = state
+            self.reason = "" if state == "serving" else message
+            if state == "serving":
+                self.generation += 1
+                self.replans += 1
+                self.capacity_blocks = capacity_blocks
+            self._note(message)
+            self.changed.notify_all()
+
+    def wait_settled(self) -> PlanView:
+        """Blocks while the cluster heals. Healing ends by itself: every wait in it is bounded."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.state != "healing")
+            return PlanView(self.generation, self.state, self.capacity_blocks)
+
+    def summary(self) -> dict:
+        with self.changed:
+            return {
+                "state": self.state, "reason": self.reason, "replans": self.replans,
+                "stage_losses": self.stage_losses,
+                "events": [{"time": e.time, "message": e.message} for e in self.events],
+            }
+
+    def _note(self, message: str) -> None:
+        self.events = (self.events + [Event(time.time(), message)])[-MAX_EVENTS:]

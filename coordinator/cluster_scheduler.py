@@ -1,0 +1,96 @@
+"""vLLM's scheduler, aware that the stages under it can be lost and re-planned.
+
+- A step that comes back as a `StageLossOutput` ends its requests with the error it carries, and, the
+  first time an outage is seen, every running request too: their KV lived on the old stages.
+- While the cluster heals, `schedule` waits: requests that have not started are held, not dropped.
+- On a new plan the prefix cache is emptied (the new stages hold no KV) and, if the new stages hold
+  fewer blocks than vLLM counts, the block ids above their capacity are kept out of use.
+"""
+
+from dataclasses import dataclass
+
+import time
+
+from vllm.outputs import RequestError
+from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import RequestStatus
+
+from metal_cluster.coordinator.cluster_control import CONTROL_KEY
+
+
+@dataclass
+class StageLossOutput(ModelRunnerOutput):
+    """The answer to a step the pipeline could not run: no tokens, and why."""
+
+    failure: RequestError | None = None
+    outage_id: int = 0
+
+
+def loss_output(scheduler_output, failure: RequestError, outage_id: int) -> StageLossOutput:
+    req_ids = list(scheduler_output.num_scheduled_tokens)
+    return StageLossOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                           sampled_token_ids=[[] for _ in req_ids], failure=failure, outage_id=outage_id)
+
+
+class ClusterScheduler(Scheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        config = self.vllm_config.additional_config
+        self.control = config.get(CONTROL_KEY) if isinstance(config, dict) else None
+        self.generation = self.control.generation if self.control else 0
+        self.seen_outages: set[int] = set()
+        self.fenced = []  # blocks above the current plan's capacity
+        self.deferred_since = None
+
+    def schedule(self, *args, **kwargs):
+        if self.control is not None:
+            view = self.control.wait_settled()
+            if view.generation != self.generation:
+                if self.running and not self._deferred_too_long():
+                    # Steps of the old plan are still to come back; they end these requests.
+                    return self._schedule_nothing(*args, **kwargs)
+                self._adopt_plan(view)
+        return super().schedule(*args, **kwargs)
+
+    def _deferred_too_long(self) -> bool:
+        self.deferred_since = self.deferred_since or time.monotonic()
+        return time.monotonic() - self.deferred_since > 10
+
+    def _schedule_nothing(self, *args, **kwargs):
+        paused, self._pause_state = self._pause_state, PauseState.PAUSED_ALL
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            self._pause_state = paused
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        failure = getattr(model_runner_output, "failure", None)
+        if failure is not None:
+            ended = set(scheduler_output.num_scheduled_tokens)
+            if model_runner_output.outage_id not in self.seen_outages:
+                self.seen_outages.add(model_runner_output.outage_id)
+                # Everything that has started holds KV on the lost stages: running, or preempted.
+                ended |= {r.request_id for r in self.running}
+                ended |= {r.request_id for r in self.waiting if r.status == RequestStatus.PREEMPTED}
+            for req_id in ended:
+                request = self.requests.get(req_id)
+                if request is not None and not request.is_finished():
+                    # vLLM ends these with FINISHED_ERROR and hands the error to the API server.
+                    self.grammar_compile_error_reqs[req_id] = failure
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    def _adopt_plan(self, view) -> None:
+        pool = self.kv_cache_manager.block_pool
+        pool.free_blocks(self.fenced)
+        self.fenced = []
+        # Whatever still runs (it should have ended with the outage) starts over on the new stages.
+        self.reset_prefix_cache(reset_running_requests=True)
+        if view.capacity_blocks is not None and view.capacity_blocks < pool.num_gpu_blocks:
+            self.fenced = pool.blocks[view.capacity_blocks:]
+            for block in self.fenced:
+                pool.free_block_queue.remove(block)
+                block.ref_cnt += 1
+        self.generation = view.generation
+        self.deferred_since = None

@@ -1,0 +1,142 @@
+"""Re-plan after a lost stage (or when the operator asks): find the stages that still answer, bring
+their processes back idle, place the layers over them, load, and start a new ring.
+
+Every wait here is bounded, so a re-plan always ends: serving on a new plan, or an error that says
+why the hosts left cannot hold the model.
+"""
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from metal_cluster.coordinator import placement
+from metal_cluster.coordinator.stages import Pipeline, StageCallError
+from metal_cluster.proto import pb
+from metal_cluster.stage_worker.host import machine_id
+from metal_cluster.stage_worker.memory import KVBudget, MemoryBudgetError
+
+RESET_TIMEOUT_S = 60
+
+
+class ReplanError(RuntimeError):
+    """The hosts that are left cannot serve; the message says why and what to do."""
+
+
+@dataclass
+class Settings:
+    """What a plan must satisfy, from vLLM's configuration."""
+
+    model: str
+    config: dict  # the model's config.json
+    block_size: int
+    max_num_batched_tokens: int
+    utilization: float  # per host
+    max_model_len: int
+    num_blocks: int  # vLLM's block count; a new plan never holds more
+    ring_timeout_s: float
+
+
+@dataclass
+class Plan:
+    pipeline: Pipeline
+    ranges: list[tuple[int, int]]
+    assigned: list[pb.AssignResponse]
+    num_blocks: int
+
+
+def shares_per_host(host_ids: list[str], utilization: float) -> list[float]:
+    """--gpu-memory-utilization is per host: stages sharing a machine split its share."""
+    return [utilization / host_ids.count(h) for h in host_ids]
+
+
+def ring_hosts(stages, healths) -> list[str]:
+    if len(stages) < 2:
+        return []
+    return [f"{s.name.rsplit(':', 1)[0]}:{h.ring_port}" for s, h in zip(stages, healths)]
+
+
+def answering(stages: list, timeout_s: float) -> tuple[list, list[str]]:
+    """The stages whose worker answers a health check, and a reason for each one that does not."""
+    def probe(stage):
+        try:
+            stage.health(timeout=timeout_s)
+            return None
+        except StageCallError as e:
+            return str(e)
+
+    with ThreadPoolExecutor(max_workers=max(1, len(stages))) as pool:
+        errors = list(pool.map(probe, stages))
+    return [s for s, e in zip(stages, errors) if e is None], [e for e in errors if e is not None]
+
+
+def reset_all(stages: list, reason: str, deadline: float) -> tuple[list, list]:
+    """Reset every stage's process and wait for it to come back idle: (stages, healths) that did."""
+    def reset(stage):
+        try:
+            stage.reset(reason)
+            return wait_idle(stage, deadline)
+        except StageCallError:
+            return None
+
+    with ThreadPoolExecutor(max_workers=max(1, len(stages))) as pool:
+        healths = list(pool.map(reset, stages))
+    kept = [(s, h) for s, h in zip(stages, healths) if h is not None]
+    return [s for s, _ in kept], [h for _, h in kept]
+
+
+def wait_idle(stage, deadline: float):
+    while True:
+        try:
+            health = stage.wait_ready(deadline)
+            if health.state == "idle":
+                return health
+        except StageCallError:
+            if time.monotonic() >= deadline:
+                raise
+        if time.monotonic() >= deadline:
+            raise StageCallError(f"stage {stage.name}: not idle {RESET_TIMEOUT_S}s after a reset")
+        time.sleep(0.2)
+
+
+def place(stages: list, healths: list, settings: Settings) -> tuple[list, list, list[tuple[int, int]]]:
+    """Stages (and their healths) in ring order, and their layer ranges."""
+    num_layers = settings.config["num_hidden_layers"]
+    if len(stages) == 1:
+        return stages, healths, [(0, num_layers)]
+    host_ids = [h.host_id for h in healths]
+    here = machine_id()
+    hosts = [
+        placement.Host(name=h.node_id or s.name, grpc_address=s.name,
+                       memory_total=h.host_memory_bytes // host_ids.count(h.host_id), local=h.host_id == here)
+        for s, h in zip(stages, healths)
+    ]
+    try:
+        stage_plans = placement.plan(hosts, placement.ModelCost.from_config(settings.config), settings.utilization,
+                                     settings.max_model_len)
+    except placement.PlacementError as e:
+        raise ReplanError(str(e)) from None
+    by_address = {s.name: (s, h) for s, h in zip(stages, healths)}
+    ordered = [by_address[p.host.grpc_address] for p in stage_plans]
+    return [s for s, _ in ordered], [h for _, h in ordered], [(p.start, p.end) for p in stage_plans]
+
+
+def build(stages: list, healths: list, settings: Settings) -> Plan:
+    """Load the layers on idle stages and start them: the new pipeline, ready for steps."""
+    if not stages:
+        raise ReplanError("no stage worker is left")
+    stages, healths, ranges = place(stages, healths, settings)
+    pipeline = Pipeline(stages)
+    shares = shares_per_host([h.host_id for h in healths], settings.utilization)
+    try:
+        assigned = pipeline.assign(settings.model, ranges, settings.block_size, settings.max_num_batched_tokens, shares)
+        blocks = []
+        for share, r in zip(shares, assigned):
+            KVBudget(share, r.host_memory_bytes, r.weights_bytes, r.activation_bytes).check_fits(
+                settings.max_model_len, settings.block_size, r.bytes_per_block)
+            blocks.append(r.kv_budget_bytes // r.bytes_per_block)
+        num_blocks = min(min(blocks), settings.num_blocks)
+        pipeline.start(num_blocks, ring_hosts(stages, healths), settings.ring_timeout_s)
+    except (StageCallError, MemoryBudgetError) as e:
+        pipeline.close()
+        raise ReplanError(str(e)) from None
+    return Plan(pipeline, ranges, assigned, num_blocks)

@@ -190,47 +190,56 @@ def manager_commands(service: Service, action: str) -> list[list[str]]:
 
 def install(service: Service, argv: list[str]) -> str:
     """Write the service file and start it; what happened, in one line."""
-    if service.kind == "launchd":
-        # launchd does not create the folder of StandardOutPath; without it the job cannot start.
-        Path(log_dir(Path.home())).mkdir(parents=True, exist_ok=True)
+    manage = _can_manage(service)
     service.directory.mkdir(parents=True, exist_ok=True)
     previous = service.path.read_bytes() if service.path.is_file() else None
-    if previous is not None and service.manage and service.kind == "launchd":
+    if previous is not None and manage and service.kind == "launchd":
         _run(service, manager_commands(service, "stop"), quiet=True)  # bootstrap refuses a loaded job
     service.path.write_bytes(render(service, argv))
     verb = "wrote" if previous is None else ("kept" if previous == service.path.read_bytes() else "updated")
     start = manager_commands(service, "start")
-    if not service.manage or not shutil.which(start[0][0]):
-        return f"{verb} {service.path}; start it with: {_shell(start)}"
+    # launchd does not create the folder of StandardOutPath, and without it the job cannot start.
+    logs = [["mkdir", "-p", log_dir(Path.home())]] if service.kind == "launchd" else []
+    if not manage:
+        return f"{verb} {service.path}; start it with: {_shell(logs + start)}"
+    if logs:
+        Path(logs[0][-1]).mkdir(parents=True, exist_ok=True)
     _run(service, start)
-    where = (f"logs: {log_dir(Path.home())}/{service.name}.log" if service.kind == "launchd"
-             else f"logs: journalctl --user -u {service.path.name}; to keep it running after logout: "
-                  f"loginctl enable-linger {_user()}")
-    return f"{verb} {service.path} and started {service.label if service.kind == 'launchd' else service.path.name} ({where})"
+    if service.kind == "launchd":
+        return f"{verb} {service.path} and started {service.label} (logs: {log_dir(Path.home())}/{service.name}.log)"
+    return (f"{verb} {service.path} and started it (logs: journalctl --user -u {service.path.name}; "
+            f"to keep it running after logout: loginctl enable-linger {_user()})")
 
 
 def uninstall(service: Service) -> str:
     if not service.path.is_file():
         return f"no {service.name} service installed at {service.path}: nothing to remove"
+    manage = _can_manage(service)
     stop = manager_commands(service, "stop")
-    manage = service.manage and shutil.which(stop[0][0])
-    if manage:
-        _run(service, stop, quiet=True)  # already stopped is fine
+    failed = _run(service, stop, quiet=True) if manage else None  # not loaded is fine too
     service.path.unlink()
-    if manage and service.kind == "systemd":
-        _run(service, [["systemctl", "--user", "daemon-reload"]], quiet=True)
     if not manage:
         return f"removed {service.path}; if it was loaded, stop it with: {_shell(stop)}"
-    return f"stopped and removed {service.path}"
+    if service.kind == "systemd":
+        _run(service, [["systemctl", "--user", "daemon-reload"]], quiet=True)
+    return f"removed {service.path}" + (f" ({failed})" if failed else " and stopped it")
 
 
-def _run(service: Service, commands: list[list[str]], quiet: bool = False) -> None:
+def _can_manage(service: Service) -> bool:
+    return service.manage and shutil.which("launchctl" if service.kind == "launchd" else "systemctl") is not None
+
+
+def _run(service: Service, commands: list[list[str]], quiet: bool = False) -> str | None:
+    """Runs the commands in turn; with `quiet`, the first failure comes back as a line instead."""
     for command in commands:
         done = subprocess.run(command, capture_output=True, text=True)
-        if done.returncode != 0 and not quiet:
+        if done.returncode != 0:
             why = (done.stderr or done.stdout).strip().splitlines()
-            raise ServiceError(f"wrote {service.path}, but `{shlex.join(command)}` failed"
-                               f"{': ' + why[-1] if why else ''}; run it yourself once that is fixed")
+            failure = f"`{shlex.join(command)}` failed{': ' + why[-1] if why else ''}"
+            if quiet:
+                return failure
+            raise ServiceError(f"wrote {service.path}, but {failure}; run it yourself once that is fixed")
+    return None
 
 
 def _shell(commands: list[list[str]]) -> str:

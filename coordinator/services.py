@@ -15,7 +15,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-
 LABEL_PREFIX = "com.metal-cluster"
 # Tests (and anyone generating files for another machine) write here instead of the manager's own
 # folder; the manager is then left alone, since it would not read this folder anyway.

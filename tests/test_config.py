@@ -110,7 +110,7 @@ def test_worker_reads_the_token_file_the_config_names(home, tmp_path):
 
 def test_the_example_config_is_valid():
     group = typer.main.get_command(cli.app)
-    default_map, settings = config.defaults(*config.read(ROOT / "deploy" / "config.example.toml"), group)
+    default_map, _ = config.defaults(*config.read(ROOT / "deploy" / "config.example.toml"), group)
     assert default_map["worker"]["port"] == 7760 and default_map["worker"]["interface"] == "en0"
     assert default_map["up"]["vllm_args"][:2] == ["--max-model-len", "8192"]
     assert default_map["up"]["gpu_memory_utilization"] == 0.6

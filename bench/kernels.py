@@ -83,7 +83,7 @@ def bench_decode(batch: int, ctx: int, iters: int) -> dict:
 
 
 def bench_prefill(length: int, iters: int) -> dict:
-    """`paged` is what paged_attention dispatches to: the reference while the prefill kernel is off."""
+    """`paged` is what paged_attention dispatches to (the prefill kernel unless switched off)."""
     scale = HEAD_DIM ** -0.5
     q, k_pool, v_pool, meta = paged_inputs([length], [length])
     paged = time_per_call(lambda: paged_attention(q, k_pool, v_pool, meta, scale), iters)
@@ -95,6 +95,41 @@ def bench_prefill(length: int, iters: int) -> dict:
     ref = time_per_call(lambda: paged_attention_reference(q, k_pool, v_pool, meta, scale), iters)
     fast = importlib.import_module("metal_cluster.kernels.gpu")
     return dict(length=length, prefill_kernel=fast.PREFILL_KERNEL_ENABLED, paged_us=paged * 1e6, sdpa_us=sdpa * 1e6, ratio=paged / sdpa, reference_us=ref * 1e6)
+
+
+def bench_mixed(decodes: int, ctx: int, chunk: int, iters: int) -> dict:
+    """A continuous-batching step: `decodes` requests decoding at `ctx`, plus one prompt chunk of
+    `chunk` new tokens at the end of a `ctx`-token context. Kernel vs the MLX-ops reference."""
+    scale = HEAD_DIM ** -0.5
+    q, k_pool, v_pool, meta = paged_inputs([1] * decodes + [chunk], [ctx] * (decodes + 1))
+    fast = importlib.import_module("metal_cluster.kernels.gpu")
+    kernel = time_per_call(lambda: fast.paged_attention_kernel(q, k_pool, v_pool, meta, scale, backend=gpu_backend()), iters)
+    ref = time_per_call(lambda: paged_attention_reference(q, k_pool, v_pool, meta, scale), iters)
+    return dict(decodes=decodes, ctx=ctx, chunk=chunk, kernel_us=kernel * 1e6, reference_us=ref * 1e6,
+                speedup=ref / kernel)
+
+
+def sweep_decode(iters: int) -> list[dict]:
+    """Decode-kernel tuning knobs (keys in flight per slot, split-KV threadgroup target) per shape."""
+    fast = importlib.import_module("metal_cluster.kernels.gpu")
+    backend = gpu_backend()
+    saved = fast.keys_per_warp_step, dict(fast.TARGET_THREADGROUPS)
+    rows = []
+    try:
+        for batch, ctx in [(1, 4096), (8, 4096), (32, 2048), (32, 4096), (64, 4096)]:
+            q, k_pool, v_pool, meta = paged_inputs([1] * batch, [ctx] * batch)
+            for u in (2, 4, 8):
+                for target in (1024, 2048, 4096):
+                    fast.keys_per_warp_step = lambda gqa, u=u: u
+                    fast.TARGET_THREADGROUPS[backend] = target
+                    t = time_per_call(lambda: fast.paged_attention_kernel(q, k_pool, v_pool, meta, HEAD_DIM ** -0.5,
+                                                                          backend=backend), iters)
+                    rows.append(dict(batch=batch, ctx=ctx, keys_per_step=u, target=target, us=t * 1e6))
+                    print(f"sweep {rows[-1]}", flush=True)
+    finally:
+        fast.keys_per_warp_step = saved[0]
+        fast.TARGET_THREADGROUPS.update(saved[1])
+    return rows
 
 
 # --- 2. model decode ------------------------------------------------------------------------
@@ -205,12 +240,15 @@ def main():
     ap.add_argument("--json", type=Path, help="write the results here too")
     ap.add_argument("--quick", action="store_true", help="fewer shapes and steps")
     ap.add_argument("--skip-model", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also sweep the decode kernel's tuning knobs")
     args = ap.parse_args()
     backend = gpu_backend()
     if backend is None:
         sys.exit("bench/kernels.py needs a GPU (Metal or CUDA): on the CPU paged_attention is the reference")
     print(f"backend={backend} device={mx.default_device()} mlx={mx.__version__}", flush=True)
-    results = dict(backend=backend, decode=[], prefill=[], model=[])
+    results = dict(backend=backend, decode=[], prefill=[], mixed=[], model=[])
+    if args.sweep:
+        results["sweep"] = sweep_decode(iters=50)
     batches = [1, 8, 32, 64] if not args.quick else [1, 32]
     ctxs = [512, 1024, 2048, 4096] if not args.quick else [512, 4096]
     for b in batches:
@@ -221,13 +259,20 @@ def main():
                 row = dict(batch=b, ctx=c, error=repr(e))
             results["decode"].append(row)
             print(f"decode {row}", flush=True)
-    for length in ([512, 2048, 4096] if not args.quick else [2048]):
+    for length in ([128, 512, 2048, 4096] if not args.quick else [2048]):
         try:
             row = bench_prefill(length, iters=10)
         except Exception as e:
             row = dict(length=length, error=repr(e))
         results["prefill"].append(row)
         print(f"prefill {row}", flush=True)
+    for decodes, ctx, chunk in ([(31, 2048, 512), (8, 1024, 128), (63, 4096, 256)] if not args.quick else [(31, 2048, 512)]):
+        try:
+            row = bench_mixed(decodes, ctx, chunk, iters=20)
+        except Exception as e:
+            row = dict(decodes=decodes, ctx=ctx, chunk=chunk, error=repr(e))
+        results["mixed"].append(row)
+        print(f"mixed {row}", flush=True)
     if not args.skip_model:
         try:
             results["model"] = bench_model([1, 32], prompt_len=128, warm=4, steps=32 if not args.quick else 16,

@@ -2,8 +2,7 @@
 
 - Apple GPU (Metal): the kernels in `gpu.py` through `mx.fast.metal_kernel`;
 - NVIDIA GPU (MLX's CUDA backend): the same kernels through `mx.fast.cuda_kernel`;
-- anywhere else (MLX's CPU backend), for shapes the kernels do not cover, and for now for batches
-  with multi-token queries (the prefill kernel is disabled, see `PREFILL_KERNEL_ENABLED`): the
+- anywhere else (MLX's CPU backend) and for shapes the kernels do not cover (`gpu.supports`): the
   reference in plain MLX ops, which is also the kernels' test oracle.
 """
 
@@ -33,7 +32,7 @@ def paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, scale: float, sl
     the K/V of this step's tokens. Returns [total_q, H, D].
     """
     backend = gpu_backend()
-    if backend is not None and _fast.supports(q, k_pool, meta):
+    if backend is not None and _fast.supports(q, k_pool, meta, v_pool):
         return _fast.paged_attention_kernel(q, k_pool, v_pool, meta, scale, sliding_window, backend=backend)
     return paged_attention_reference(q, k_pool, v_pool, meta, scale, sliding_window)
 

@@ -7,9 +7,10 @@ builders glue them together for `mx.fast.metal_kernel` or `mx.fast.cuda_kernel`.
 
 Three kernels:
 - decode (every request has one query): one threadgroup per (request, kv head[, KV split]). It
-  serves all the GQA query heads of that kv head, so each K/V row is read from memory once. The
-  4 warps walk the request's keys 4 at a time each (independent loads in flight), lanes split the
-  head dim, and each warp keeps an online softmax; the warps are merged through shared memory.
+  serves all the GQA query heads of that kv head, so each K/V row is read from memory once. A
+  key row is read by a few lanes with 16-byte loads (`decode_layout`: 16 lanes for bf16 x 128),
+  so a warp reads several rows side by side, each such slot several keys ahead; every slot keeps
+  its own online softmax and the slots merge once at the end (shuffles, then shared memory).
 - split-KV reduce: when there are too few (request, kv head) pairs to fill the GPU, the context is
   cut into partitions computed by separate threadgroups (`plan_decode_splits`); this pass merges
   their partial (max, sum, unnormalised output) into the final row.
@@ -22,6 +23,11 @@ Three kernels:
 Runtime values (request count, block size, window, partition, block-table stride) travel in one
 small int32 array so that a new step never recompiles; only dtype, head dim and the GQA ratio are
 compile-time (they size register arrays).
+
+Every warp collective (shuffle, simd_sum, warp barrier) runs on all 32 lanes, and every loop that
+holds one has a warp-uniform trip count: on CUDA a full-mask shuffle that only some lanes reach is
+undefined ("illegal instruction", or a hang). That is also why no macro takes a collective as an
+argument (see MAXF).
 """
 
 import os
@@ -35,21 +41,36 @@ from metal_cluster.kernels.metadata import AttentionMetadata
 WARPS = 4  # SIMD groups / warps per threadgroup
 LANES = 32
 THREADS = WARPS * LANES
-# decode: keys each warp loads before reducing (memory-level parallelism). Measured on an H200:
-# 8 (for GQA <= 2) was ~1.35x slower than 4 at batch 32-64 (register pressure), so 4 throughout.
+# decode: keys each slot (LPK lanes) loads before reducing, for memory-level parallelism; fewer for
+# large GQA ratios, whose per-head registers (query and accumulator) grow with the ratio.
 def keys_per_warp_step(gqa: int) -> int:
-    return 4
+    return 4 if gqa <= 4 else 2
 
 
-# The prefill / mixed kernel is off: on CUDA (H200, MLX 0.32.4) it failed with "illegal instruction"
-# and, reworked without early exit, hung; until that is found, batches with any multi-token query
-# take the reference. Set METAL_CLUSTER_PREFILL_KERNEL=1 to run it (tests and bench honour it).
-PREFILL_KERNEL_ENABLED = os.environ.get("METAL_CLUSTER_PREFILL_KERNEL") == "1"
+def decode_layout(head_dim: int, itemsize: int) -> tuple[int, int]:
+    """(elements per load, lanes per key row) for the decode kernel.
+
+    Loads are 16 bytes where the head dim splits into a power-of-two number of such chunks (at most
+    32 lanes a row) or a multiple of 32 of them; otherwise narrower, down to one element a lane.
+    """
+    vec = max(1, 16 // itemsize)
+    while vec > 1:
+        n = head_dim // vec
+        if head_dim % vec == 0 and (n % 32 == 0 or n & (n - 1) == 0):
+            break
+        vec //= 2
+    return vec, min(32, head_dim // vec)
+
+
+# The prefill / mixed kernel serves batches with multi-token queries; METAL_CLUSTER_PREFILL_KERNEL=0
+# sends those to the reference instead (for comparisons).
+PREFILL_KERNEL_ENABLED = os.environ.get("METAL_CLUSTER_PREFILL_KERNEL", "1") != "0"
 PREFILL_KEY_TILE = 16  # prefill: keys staged in shared memory per step
 PREFILL_ROWS = 16  # prefill: (query token, head) rows per threadgroup
 
 # The per-step int32 parameter block, by index.
-P_NUM_REQS, P_MAX_BLOCKS, P_BLOCK_SIZE, P_WINDOW, P_PARTITION, P_NUM_SPLITS = range(6)
+P_NUM_REQS, P_MAX_BLOCKS, P_BLOCK_SIZE, P_WINDOW, P_PARTITION, P_NUM_SPLITS, P_BS_SHIFT = range(7)
+NUM_PARAMS = 7
 
 BACKENDS = ("metal", "cuda")
 
@@ -64,8 +85,10 @@ _MACROS = {
 #define WARP_BARRIER() simdgroup_barrier(mem_flags::mem_threadgroup)
 #define UNROLL _Pragma("clang loop unroll(full)")
 #define EXP(x) metal::fast::exp(x)
+#define MAXF(a, b) metal::max(float(a), float(b))
 #define INDEX long
 #define GLOBAL device
+template <typename U, int N> struct PaVec { U v[N]; };
 """,
     "cuda": """
 #define SHARED __shared__
@@ -75,8 +98,11 @@ _MACROS = {
 #define WARP_BARRIER() __syncwarp()
 #define UNROLL _Pragma("unroll")
 #define EXP(x) __expf(x)
+#define MAXF(a, b) fmaxf((a), (b))
 #define INDEX long long
 #define GLOBAL
+// A row chunk read with one load instruction (16 bytes when N * sizeof(U) == 16).
+template <typename U, int N> struct alignas(sizeof(U) * N) PaVec { U v[N]; };
 __device__ __forceinline__ float pa_warp_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
@@ -84,8 +110,11 @@ __device__ __forceinline__ float pa_warp_sum(float x) {
 """,
 }
 
+# MAXF is a function on both backends: a ternary macro evaluates its argument twice, and a warp
+# shuffle passed to it then runs on only the lanes that take that branch (on CUDA a divergent
+# full-mask __shfl_xor_sync is undefined: "illegal instruction" or a hang). MINI/MAXI take plain
+# values only.
 _COMMON_MACROS = """
-#define MAXF(a, b) ((a) > (b) ? (a) : (b))
 #define MINI(a, b) ((a) < (b) ? (a) : (b))
 #define MAXI(a, b) ((a) > (b) ? (a) : (b))
 #define NEG_BIG (-1.0e30f)
@@ -117,6 +146,7 @@ _CONSTANTS = """
   const int window = params[{p_window}];
   const int partition = params[{p_partition}];
   const int num_splits = params[{p_num_splits}];
+  const int bs_shift = params[{p_bs_shift}];  // log2(BS), or -1 when BS is no power of two
   const float qk_scale = scale[0];
   const int KVH = k_pool_kvh[0];
   const int H = KVH * G;
@@ -125,7 +155,18 @@ _CONSTANTS = """
 # --- decode ---------------------------------------------------------------------------------
 
 _DECODE_BODY = """
-  constexpr int KPI = {keys_per_step};
+  // Lane layout: LPK lanes share one key row, each holding NV vectors of VEC elements (16-byte
+  // loads where the head dim allows); a warp reads KPW rows side by side, the threadgroup SLOTS.
+  // Every slot keeps its own online softmax, so the main loop needs shuffles only for the dot
+  // products (log2(LPK) per key and head, shared by KPW keys); slots merge once at the end.
+  constexpr int VEC = {vec};
+  constexpr int LPK = {lanes_per_key};
+  constexpr int EPL = D / LPK;
+  constexpr int NV = EPL / VEC;
+  constexpr int KPW = 32 / LPK;
+  constexpr int SLOTS = NSG * KPW;
+  constexpr int U = {keys_per_step};  // keys per slot in flight per step
+  typedef PaVec<T, VEC> Row;
   const int split = tg_id % num_splits;
   const int kvh = (tg_id / num_splits) % KVH;
   const int r = tg_id / (num_splits * KVH);
@@ -135,57 +176,86 @@ _DECODE_BODY = """
   const int lo = window > 0 ? MAXI(0, pos - window + 1) : 0;
   const int k_begin = MAXI(lo, split * partition);
   const int k_end = MINI(ctx, (split + 1) * partition);
+  const int slot = warp * KPW + lane / LPK;
+  const int sl = lane % LPK;
 
-  float qv[G][DPL];
-  float acc[G][DPL];
+  float qv[G][EPL];
+  float acc[G][EPL];
   float m[G];
   float l[G];
-  for (int g = 0; g < G; ++g) {{
+  UNROLL for (int g = 0; g < G; ++g) {{
     const INDEX qbase = ((INDEX)q_row * H + kvh * G + g) * D;
-    for (int i = 0; i < DPL; ++i) {{
-      qv[g][i] = static_cast<float>(q[qbase + i * 32 + lane]) * qk_scale;
-      acc[g][i] = 0.0f;
+    UNROLL for (int c = 0; c < NV; ++c) {{
+      UNROLL for (int x = 0; x < VEC; ++x) {{
+        qv[g][c * VEC + x] = static_cast<float>(q[qbase + (c * LPK + sl) * VEC + x]) * qk_scale;
+        acc[g][c * VEC + x] = 0.0f;
+      }}
     }}
     m[g] = NEG_BIG;
     l[g] = 0.0f;
   }}
 
   const GLOBAL int* table = block_tables + (INDEX)r * max_blocks;
-  for (int kb = k_begin + warp * KPI; kb < k_end; kb += NSG * KPI) {{
-    // Load KPI keys (and their values) before any reduction, so their latencies overlap.
-    float kv[KPI][DPL];
-    float vv[KPI][DPL];
-    UNROLL for (int j = 0; j < KPI; ++j) {{
-      const int k = kb + j;
-      if (k < k_end) {{
-        const INDEX base = (((INDEX)table[k / BS] * BS + k % BS) * KVH + kvh) * D;
-        for (int i = 0; i < DPL; ++i) {{
-          kv[j][i] = static_cast<float>(k_pool[base + i * 32 + lane]);
-          vv[j][i] = static_cast<float>(v_pool[base + i * 32 + lane]);
-        }}
-      }} else {{
-        for (int i = 0; i < DPL; ++i) {{ kv[j][i] = 0.0f; vv[j][i] = 0.0f; }}
+  // The trip count depends only on the warp (its first key), never on the lane: the shuffles
+  // inside need every lane of the warp. Keys past k_end are loaded clamped and weigh 0.
+  for (int kb = k_begin; kb + warp * KPW < k_end; kb += SLOTS * U) {{
+    Row kr[U][NV];
+    Row vr[U][NV];
+    UNROLL for (int j = 0; j < U; ++j) {{
+      const int k = MINI(kb + j * SLOTS + slot, k_end - 1);
+      const int blk = bs_shift >= 0 ? (k >> bs_shift) : k / BS;
+      const INDEX base = (((INDEX)table[blk] * BS + (k - blk * BS)) * KVH + kvh) * D;
+      UNROLL for (int c = 0; c < NV; ++c) {{
+        kr[j][c] = *reinterpret_cast<const GLOBAL Row*>(k_pool + base + (c * LPK + sl) * VEC);
+        vr[j][c] = *reinterpret_cast<const GLOBAL Row*>(v_pool + base + (c * LPK + sl) * VEC);
       }}
     }}
-    for (int g = 0; g < G; ++g) {{
-      float s[KPI];
-      float smax = NEG_BIG;
-      for (int j = 0; j < KPI; ++j) {{
+    float s[U][G];
+    UNROLL for (int j = 0; j < U; ++j) {{
+      float kf[EPL];
+      UNROLL for (int c = 0; c < NV; ++c) {{
+        UNROLL for (int x = 0; x < VEC; ++x) kf[c * VEC + x] = static_cast<float>(kr[j][c].v[x]);
+      }}
+      UNROLL for (int g = 0; g < G; ++g) {{
         float part = 0.0f;
-        for (int i = 0; i < DPL; ++i) part += qv[g][i] * kv[j][i];
-        s[j] = WARP_SUM(part);
-        if (kb + j < k_end) smax = MAXF(smax, s[j]);
+        UNROLL for (int e = 0; e < EPL; ++e) part += qv[g][e] * kf[e];
+        UNROLL for (int o = LPK / 2; o > 0; o >>= 1) part += SHFL_XOR(part, o);
+        s[j][g] = part;
       }}
-      const float m_new = MAXF(m[g], smax);
+    }}
+    UNROLL for (int g = 0; g < G; ++g) {{
+      float m_new = m[g];
+      UNROLL for (int j = 0; j < U; ++j) {{
+        if (kb + j * SLOTS + slot < k_end) m_new = MAXF(m_new, s[j][g]);
+      }}
       const float alpha = EXP(m[g] - m_new);
-      float psum = 0.0f;
-      for (int i = 0; i < DPL; ++i) acc[g][i] *= alpha;
-      for (int j = 0; j < KPI; ++j) {{
-        const float p = (kb + j < k_end) ? EXP(s[j] - m_new) : 0.0f;
-        psum += p;
-        for (int i = 0; i < DPL; ++i) acc[g][i] += p * vv[j][i];
+      l[g] *= alpha;
+      UNROLL for (int e = 0; e < EPL; ++e) acc[g][e] *= alpha;
+      UNROLL for (int j = 0; j < U; ++j) {{
+        const float p = kb + j * SLOTS + slot < k_end ? EXP(s[j][g] - m_new) : 0.0f;
+        l[g] += p;
+        UNROLL for (int c = 0; c < NV; ++c) {{
+          UNROLL for (int x = 0; x < VEC; ++x) acc[g][c * VEC + x] += p * static_cast<float>(vr[j][c].v[x]);
+        }}
       }}
-      l[g] = l[g] * alpha + psum;
+      m[g] = m_new;
+    }}
+  }}
+
+  // Merge the KPW slots of each warp (butterfly over the lanes that differ in lane / LPK): every
+  // lane ends with its warp's softmax state for its elements.
+  UNROLL for (int g = 0; g < G; ++g) {{
+    UNROLL for (int o = LPK; o < 32; o <<= 1) {{
+      const float m_o = SHFL_XOR(m[g], o);
+      const float l_o = SHFL_XOR(l[g], o);
+      const float m_new = MAXF(m[g], m_o);
+      const float a = EXP(m[g] - m_new);
+      const float b = EXP(m_o - m_new);
+      l[g] = l[g] * a + l_o * b;
+      UNROLL for (int e = 0; e < EPL; ++e) {{
+        const float acc_o = SHFL_XOR(acc[g][e], o);
+        acc[g][e] = acc[g][e] * a + acc_o * b;
+      }}
       m[g] = m_new;
     }}
   }}
@@ -194,19 +264,23 @@ _DECODE_BODY = """
   SHARED float sm_ml[NSG * G * 2];
   SHARED float sm_o[NSG * D];
   if (lane == 0) {{
-    for (int g = 0; g < G; ++g) {{
+    UNROLL for (int g = 0; g < G; ++g) {{
       sm_ml[(warp * G + g) * 2] = m[g];
       sm_ml[(warp * G + g) * 2 + 1] = l[g];
     }}
   }}
   BARRIER();
-  for (int g = 0; g < G; ++g) {{
+  UNROLL for (int g = 0; g < G; ++g) {{
     float M = NEG_BIG;
     for (int w = 0; w < NSG; ++w) M = MAXF(M, sm_ml[(w * G + g) * 2]);
     float L = 0.0f;
     for (int w = 0; w < NSG; ++w) L += sm_ml[(w * G + g) * 2 + 1] * EXP(sm_ml[(w * G + g) * 2] - M);
     const float f = EXP(m[g] - M);
-    for (int i = 0; i < DPL; ++i) sm_o[warp * D + i * 32 + lane] = acc[g][i] * f;
+    if (lane < LPK) {{
+      UNROLL for (int c = 0; c < NV; ++c) {{
+        UNROLL for (int x = 0; x < VEC; ++x) sm_o[warp * D + (c * LPK + lane) * VEC + x] = acc[g][c * VEC + x] * f;
+      }}
+    }}
     BARRIER();
     const int h = kvh * G + g;
     for (int d = tid; d < D; d += NSG * 32) {{
@@ -366,15 +440,19 @@ def prefill_tile_tokens(gqa: int) -> int:
     return max(1, PREFILL_ROWS // gqa)
 
 
-def kernel_source(kind: str, backend: str, head_dim: int, gqa: int) -> tuple[str, str]:
-    """(header, body) of one kernel for one backend. `kind`: decode, decode_split, reduce, prefill."""
+def kernel_source(kind: str, backend: str, head_dim: int, gqa: int, itemsize: int = 2,
+                  keys_per_step: int | None = None) -> tuple[str, str]:
+    """(header, body) of one kernel for one backend. `kind`: decode, decode_split, reduce, prefill.
+    `itemsize` (bytes per q/K/V element) sets the decode kernel's load width."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}")
+    vec, lanes_per_key = decode_layout(head_dim, itemsize)
     fields = dict(
-        head_dim=head_dim, gqa=gqa, warps=WARPS, keys_per_step=keys_per_warp_step(gqa),
+        head_dim=head_dim, gqa=gqa, warps=WARPS, vec=vec, lanes_per_key=lanes_per_key,
+        keys_per_step=keys_per_step or keys_per_warp_step(gqa),
         key_tile=PREFILL_KEY_TILE, tile_tokens=prefill_tile_tokens(gqa),
         p_num_reqs=P_NUM_REQS, p_max_blocks=P_MAX_BLOCKS, p_block_size=P_BLOCK_SIZE,
-        p_window=P_WINDOW, p_partition=P_PARTITION, p_num_splits=P_NUM_SPLITS,
+        p_window=P_WINDOW, p_partition=P_PARTITION, p_num_splits=P_NUM_SPLITS, p_bs_shift=P_BS_SHIFT,
     )
     if kind == "decode":
         body = _DECODE_BODY.replace("{store}", _DECODE_STORE_FINAL)
@@ -400,9 +478,12 @@ _OUTPUTS = {"decode": ["out"], "decode_split": ["part_o", "part_ml"], "reduce": 
 
 
 @lru_cache(maxsize=None)
-def build_kernel(kind: str, backend: str, head_dim: int, gqa: int):
-    header, source = kernel_source(kind, backend, head_dim, gqa)
-    name = f"paged_attn_{kind}_d{head_dim}_g{gqa}"
+def build_kernel(kind: str, backend: str, head_dim: int, gqa: int, itemsize: int = 2, keys_per_step: int | None = None):
+    keys_per_step = keys_per_step or keys_per_warp_step(gqa)
+    header, source = kernel_source(kind, backend, head_dim, gqa, itemsize, keys_per_step)
+    # MLX caches compiled kernels by name: the name carries every compile-time choice.
+    vec, _ = decode_layout(head_dim, itemsize)
+    name = f"paged_attn_{kind}_d{head_dim}_g{gqa}_v{vec}_u{keys_per_step}"
     make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
     return make(name=name, input_names=_INPUTS[kind], output_names=_OUTPUTS[kind], source=source, header=header)
 
@@ -467,13 +548,15 @@ def _step_arrays(meta: AttentionMetadata, scale: float, kv_heads: int, window, p
     cache = meta.__dict__.setdefault("_paged_attention_cache", {})
     key = (float(scale), kv_heads, window, partition, splits)
     if key not in cache:
-        params = [0] * 6
+        params = [0] * NUM_PARAMS
         params[P_NUM_REQS] = len(meta.seq_lens_host)
         params[P_MAX_BLOCKS] = meta.block_tables.shape[1]
         params[P_BLOCK_SIZE] = meta.block_size
         params[P_WINDOW] = window or 0
         params[P_PARTITION] = partition
         params[P_NUM_SPLITS] = splits
+        bs = meta.block_size
+        params[P_BS_SHIFT] = bs.bit_length() - 1 if bs & (bs - 1) == 0 else -1
         cache[key] = _StepArrays(
             mx.array(params, dtype=mx.int32), mx.array([scale], dtype=mx.float32), mx.array([kv_heads], dtype=mx.int32)
         )
@@ -486,13 +569,15 @@ def is_decode(q, meta: AttentionMetadata) -> bool:
     return q.shape[0] == len(meta.query_lens_host) and all(n == 1 for n in meta.query_lens_host)
 
 
-def supports(q, k_pool, meta: AttentionMetadata) -> bool:
-    """Batches and shapes the kernels handle; anything else goes to the reference."""
-    if not (PREFILL_KERNEL_ENABLED or is_decode(q, meta)):
-        return False
+def supports(q, k_pool, meta: AttentionMetadata, v_pool=None, kernel_only: bool = False) -> bool:
+    """Whether the kernels take this batch: shapes they handle and, unless `kernel_only`, batches
+    where they are the faster path; anything else goes to the reference."""
     head_dim, heads, kv_heads = q.shape[2], q.shape[1], k_pool.shape[2]
-    return (head_dim % 32 == 0 and head_dim <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 16
-            and q.dtype in (mx.float32, mx.bfloat16, mx.float16))
+    v_pool = k_pool if v_pool is None else v_pool
+    if not (head_dim % 32 == 0 and head_dim <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 16
+            and q.dtype in (mx.float32, mx.bfloat16, mx.float16) and k_pool.dtype == v_pool.dtype == q.dtype):
+        return False
+    return kernel_only or is_decode(q, meta) or PREFILL_KERNEL_ENABLED
 
 
 def paged_attention_kernel(q, k_pool, v_pool, meta: AttentionMetadata, scale: float, sliding_window=None,
@@ -526,13 +611,14 @@ def _decode(q, k_pool, v_pool, meta, scale, window, backend, num_reqs, kv_heads,
     step = _step_arrays(meta, scale, kv_heads, window, partition, splits)
     inputs = [q, k_pool, v_pool, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, step.params, step.scale, step.kvh]
     groups = num_reqs * kv_heads * splits
+    layout = (head_dim, gqa, q.dtype.size, keys_per_warp_step(gqa))
     if splits == 1:
-        return build_kernel("decode", backend, head_dim, gqa)(
+        return build_kernel("decode", backend, *layout)(
             inputs=inputs, template=[("T", q.dtype)], grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
             output_shapes=[q.shape], output_dtypes=[q.dtype],
         )[0]
     rows = num_reqs * q.shape[1]
-    part_o, part_ml = build_kernel("decode_split", backend, head_dim, gqa)(
+    part_o, part_ml = build_kernel("decode_split", backend, *layout)(
         inputs=inputs, template=[("T", q.dtype)], grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(rows * splits, head_dim), (rows * splits, 2)], output_dtypes=[mx.float32, mx.float32],
     )

@@ -88,14 +88,9 @@ CASES = [
 ]
 
 
-def needs_prefill_kernel(specs):
-    if any(n != 1 for n, _ in specs) and not pa.PREFILL_KERNEL_ENABLED:
-        pytest.skip("prefill/mixed kernel disabled (hangs on CUDA); METAL_CLUSTER_PREFILL_KERNEL=1 runs it")
-
-
 def fast(q, k_pool, v_pool, meta, scale, window):
     """The kernel itself (not the dispatch, which may fall back to the reference)."""
-    assert pa.supports(q, k_pool, meta)
+    assert pa.supports(q, k_pool, meta, v_pool, kernel_only=True)
     return pa.paged_attention_kernel(q, k_pool, v_pool, meta, scale, window, backend=BACKEND)
 
 
@@ -103,7 +98,6 @@ def fast(q, k_pool, v_pool, meta, scale, window):
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_kernel_matches_reference(case):
     name, specs, heads, kv_heads, head_dim, block_size, dtype, window = case
-    needs_prefill_kernel(specs)
     q, k_pool, v_pool, meta = make_batch(zlib.crc32(name.encode()), specs, heads, kv_heads, head_dim, block_size, dtype)
     scale = head_dim ** -0.5
     out = fast(q, k_pool, v_pool, meta, scale, window)
@@ -129,7 +123,7 @@ def test_random_shapes_against_reference():
         specs = []
         for _ in range(rng.randint(1, 6)):
             ctx = rng.randint(1, 4096)
-            q_len = rng.choice([1, 1, rng.randint(1, min(ctx, 300))]) if pa.PREFILL_KERNEL_ENABLED else 1
+            q_len = rng.choice([1, 1, rng.randint(1, min(ctx, 300))])
             specs.append((q_len, ctx))
         q, k_pool, v_pool, meta = make_batch(trial, specs, gqa * kv_heads, kv_heads, head_dim, block_size, dtype)
         scale = head_dim ** -0.5
@@ -139,7 +133,68 @@ def test_random_shapes_against_reference():
                                    **TOLERANCE[dtype])
 
 
+@requires_gpu
+@pytest.mark.parametrize("gqa", [1, 2, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_grid_mixed_and_decode(gqa, head_dim, block_size):
+    """Every GQA ratio x head dim x block size: a mixed batch (chunks, a whole prompt, decodes at
+    1..4K, one with a sliding window) and a decode-only batch long enough to split the KV."""
+    kv_heads = 2
+    rng = random.Random(gqa * 1000 + head_dim * 10 + block_size)
+    dtype = mx.bfloat16 if (gqa + block_size) % 2 else mx.float32
+    mixed = [(1, 1), (rng.randint(2, 40), 40), (1, rng.randint(2000, 4096)), (rng.randint(1, 64), 700), (17, 17)]
+    decodes = [(1, rng.randint(1, 4096)) for _ in range(3)] + [(1, 4096)]
+    for specs, window in ((mixed, None), (mixed, rng.randint(1, 300)), (decodes, None), (decodes, 333)):
+        q, k_pool, v_pool, meta = make_batch(rng.randrange(1 << 30), specs, gqa * kv_heads, kv_heads, head_dim,
+                                             block_size, dtype)
+        scale = head_dim ** -0.5
+        got = np.array(fast(q, k_pool, v_pool, meta, scale, window).astype(mx.float32))
+        want = reference_f32(q, k_pool, v_pool, meta, scale, window)
+        np.testing.assert_allclose(got, want, err_msg=f"{specs} window={window}", **TOLERANCE[dtype])
+
+
+@requires_gpu
+def test_block_size_not_a_power_of_two():
+    q, k_pool, v_pool, meta = make_batch(9, [(1, 500), (30, 90), (1, 2)], 8, 2, 64, 12, mx.float32)
+    got = np.array(fast(q, k_pool, v_pool, meta, 0.125, None))
+    np.testing.assert_allclose(got, reference_f32(q, k_pool, v_pool, meta, 0.125, None), **TOLERANCE[mx.float32])
+
+
+@requires_gpu
+def test_dispatch_uses_the_kernel_for_mixed_batches():
+    q, k_pool, v_pool, meta = make_batch(6, [(12, 40), (1, 700)], 8, 4, 64, 16, mx.float32)
+    assert pa.supports(q, k_pool, meta, v_pool)
+    got = paged_attention(q, k_pool, v_pool, meta, 0.125, None)
+    np.testing.assert_allclose(np.array(got), reference_f32(q, k_pool, v_pool, meta, 0.125, None), atol=3e-4, rtol=2e-3)
+
+
 # --- pure Python: runs everywhere ---------------------------------------------------------
+
+def test_decode_layout():
+    assert pa.decode_layout(128, 2) == (8, 16)  # 16-byte loads, 16 lanes a row, 2 rows a warp
+    assert pa.decode_layout(64, 2) == (8, 8)
+    assert pa.decode_layout(128, 4) == (4, 32)
+    assert pa.decode_layout(256, 4) == (4, 32)
+    assert pa.decode_layout(96, 2) == (1, 32)  # 12 chunks of 16 bytes do not tile a warp
+    for head_dim in range(32, 257, 32):
+        for itemsize in (2, 4):
+            vec, lanes = pa.decode_layout(head_dim, itemsize)
+            assert 32 % lanes == 0 and head_dim % (vec * lanes) == 0 and vec * itemsize <= 16
+
+
+def test_collectives_are_never_macro_arguments():
+    """A ternary macro evaluates an argument twice, once on only some lanes: a shuffle passed to one
+    becomes a divergent collective (this hung the prefill kernel on CUDA)."""
+    import re
+
+    for kind in ("decode", "decode_split", "reduce", "prefill"):
+        for backend in pa.BACKENDS:
+            _, body = pa.kernel_source(kind, backend, 128, 2)
+            for macro in ("MINI", "MAXI"):
+                for args in re.findall(macro + r"\(([^;]*)", body):
+                    assert "SHFL" not in args and "WARP_SUM" not in args, (kind, backend, args)
+
 
 def test_split_planner_keeps_big_batches_whole():
     assert pa.plan_decode_splits(num_reqs=64, kv_heads=8, max_ctx=4096) == (1, 4096)
@@ -189,7 +244,7 @@ def test_one_body_two_backends(kind):
 @requires_gpu
 def test_dispatch_uses_the_kernel_for_decode():
     q, k_pool, v_pool, meta = make_batch(5, [(1, 40), (1, 700)], 8, 4, 64, 16, mx.float32)
-    assert pa.supports(q, k_pool, meta)
+    assert pa.supports(q, k_pool, meta, v_pool)
     got = paged_attention(q, k_pool, v_pool, meta, 0.125, None)
     np.testing.assert_allclose(np.array(got), reference_f32(q, k_pool, v_pool, meta, 0.125, None), atol=3e-4, rtol=2e-3)
 

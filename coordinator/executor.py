@@ -282,6 +282,7 @@ class ClusterExecutor(Executor):
         log.info("cluster: %s", message)
         self.control.settle("serving", message, plan.num_blocks)
         self.monitor.follow(plan.pipeline, plan.ranges, self.control.generation)
+        self.monitor.poll()  # `status` shows the new plan now, not at the next heartbeat
 
     def _settings(self) -> replan.Settings:
         return replan.Settings(

@@ -17,9 +17,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(model, *extra, log_path, timeout=300):
+def running_server(model, *extra, log_path, timeout=300, command="serve"):
     port = free_port()
-    cmd = [sys.executable, "-m", "metal_cluster.coordinator", "serve"]
+    cmd = [sys.executable, "-m", "metal_cluster.coordinator", command]
     cmd += ([str(model)] if model else []) + ["--port", str(port), *extra]
     with open(log_path, "w") as log:
         # Its own session, so EngineCore and every other child go down with it.

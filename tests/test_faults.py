@@ -169,3 +169,31 @@ def test_no_stage_left_is_a_clear_503_until_rebalance(llama_model, env):
         finally:
             os.killpg(worker.pid, signal.SIGKILL)
             worker.wait(10)
+
+
+def test_workers_outlive_a_coordinator_restart(llama_model, env):
+    """Kill -9 the coordinator of two remote workers; a new `up` finds them busy but orphaned,
+    resets them and serves, and the workers were never restarted by anyone."""
+    ref_model, tokenizer = load(str(llama_model))
+    ids = tokenizer.encode(PROMPTS[2])
+    ports = [free_port() for _ in range(4)]
+    log = open(env / "workers.log", "w")
+    workers = [subprocess.Popen([*CLI, "worker", "--port", str(ports[k]), "--ring-port", str(ports[k + 2]),
+                                 "--no-advertise"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+               for k in range(2)]
+    peers = ",".join(f"127.0.0.1:{p}" for p in ports[:2])
+    up = [llama_model, "--peers", peers, "--no-mdns", "--no-local-worker", "--discovery-timeout", "60", *ARGS]
+    try:
+        with running_server(*up, log_path=env / "up-1.log", command="up") as url:
+            assert greedy(client_for(url), ids, 10) == mlx_lm_greedy(ref_model, ids, 10)
+            coordinator = cluster_state.local_coordinators()[0]["pid"]
+            os.killpg(coordinator, signal.SIGKILL)  # no goodbye to the workers
+        with running_server(*up, log_path=env / "up-2.log", command="up") as url:
+            assert greedy(client_for(url), ids, 10) == mlx_lm_greedy(ref_model, ids, 10)
+        assert all(w.poll() is None for w in workers)  # the same processes all along
+        assert "by a coordinator that is gone" in (env / "up-2.log").read_text()
+        assert "restarting this worker process idle" in (env / "workers.log").read_text()
+    finally:
+        for w in workers:
+            os.killpg(w.pid, signal.SIGKILL)
+            w.wait(10)

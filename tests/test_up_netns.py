@@ -88,3 +88,78 @@ def test_up_with_static_peers_and_mdns_off(lan, tmp_path, llama_model):
     peers = f"{ip_b}:7760,{ip_c}:7760,{ip_d}:7760"
     text = check_cluster(lan, tmp_path, llama_model, ["--no-mdns", "--peers", peers, "--discovery-timeout", "60"])
     assert "looking for workers" not in text
+
+
+STREAMS = """
+import concurrent.futures, json, sys, threading, time, openai
+url, prompts = sys.argv[1], json.loads(sys.argv[2])
+c = openai.OpenAI(base_url=url, api_key="unused", timeout=180, max_retries=0)
+first = threading.Event()
+def stream(ids):
+    tokens = []
+    try:
+        for ch in c.completions.create(model="m", prompt=ids, max_tokens=400, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True}):
+            tokens += ch.choices[0].token_ids or []
+            first.set()
+        return ["done", len(tokens), time.monotonic()]
+    except openai.APIError as e:
+        return ["error", str(e), time.monotonic()]
+def greedy(ids):
+    r = c.completions.create(model="m", prompt=ids, max_tokens=10, temperature=0,
+                             extra_body={"ignore_eos": True, "return_token_ids": True})
+    return r.choices[0].token_ids
+with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    streams = [pool.submit(stream, ids) for ids in prompts]
+    first.wait(120)
+    print("STARTED", flush=True)
+    ended = [f.result() for f in streams]
+with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    after = list(pool.map(greedy, prompts))
+print(json.dumps({"streams": ended, "after": after}), flush=True)
+"""
+
+
+def test_a_killed_host_mid_traffic_is_healed_around(lan, tmp_path, llama_model):
+    """Three stages on three namespaced hosts; the host of the last stage dies during 8 streams."""
+    import subprocess
+
+    (ns_a, ip_a), (ns_b, ip_b), (ns_c, ip_c), _ = lan
+    for ns, ip in ((ns_b, ip_b), (ns_c, ip_c)):
+        start_worker(ns, ip, tmp_path)
+    log = tmp_path / "up.log"
+    up = netns.popen(ns_a, [*PY, "up", str(llama_model), "--interface", ip_a, "--host", ip_a, "--port", "8000",
+                            "--cluster-token", TOKEN, "--gpu-memory-utilization", "0.05", "--max-model-len", "512",
+                            "--max-num-batched-tokens", "64", "--served-model-name", "m", "--no-mdns",
+                            "--peers", f"{ip_b}:7760,{ip_c}:7760", "--discovery-timeout", "60",
+                            "--stage-timeout", "3"], log)
+    url = f"http://{ip_a}:8000"
+    wait_healthy(ns_a, url, up, log)
+    ref_model, tokenizer = load(str(llama_model))
+    prompts = [tokenizer.encode(p) for p in PROMPTS * 3][:8]
+    client = subprocess.Popen(["ip", "netns", "exec", ns_a, sys.executable, "-c", STREAMS, f"{url}/v1",
+                               json.dumps(prompts)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert client.stdout.readline().strip() == "STARTED"
+        time.sleep(0.5)
+        netns.kill_all(ns_c)  # the whole host goes
+        killed = time.monotonic()
+        out, _ = client.communicate(timeout=240)
+    finally:
+        client.kill()
+    result = json.loads(out.strip().splitlines()[-1])
+    for kind, value, ended in result["streams"]:
+        assert ended - killed < 10
+        assert value == 400 if kind == "done" else "lost a stage" in value
+    assert any(kind == "error" for kind, _, _ in result["streams"])
+    assert result["after"] == [mlx_lm_greedy(ref_model, ids, 10) for ids in prompts]
+    deadline = time.monotonic() + 15  # the snapshot follows heartbeats, once a second
+    while True:
+        status = json.loads(netns.run(ns_a, ["curl", "-sf", f"{url}/metal-cluster/status"]).stdout)
+        if status["state"] == "serving" or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert status["state"] == "serving" and status["replans"] == 1
+    hosts = sorted(n["address"].rsplit(":", 1)[0] for n in status["nodes"])
+    assert hosts == [ip_a, ip_b] and sorted(s["layers"] for s in status["stages"]) == [[0, 2], [2, 4]]
+    assert "re-planned" in log.read_text()

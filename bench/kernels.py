@@ -83,30 +83,35 @@ def bench_decode(batch: int, ctx: int, iters: int) -> dict:
 
 
 def bench_prefill(length: int, iters: int) -> dict:
-    """`paged` is what paged_attention dispatches to (the prefill kernel unless switched off)."""
+    """`paged` is what paged_attention dispatches to (the kernel up to PREFILL_KERNEL_MAX_WORK, then
+    the reference); `kernel` the prefill kernel itself."""
     scale = HEAD_DIM ** -0.5
     q, k_pool, v_pool, meta = paged_inputs([length], [length])
     paged = time_per_call(lambda: paged_attention(q, k_pool, v_pool, meta, scale), iters)
+    fast = importlib.import_module("metal_cluster.kernels.gpu")
+    kernel = time_per_call(lambda: fast.paged_attention_kernel(q, k_pool, v_pool, meta, scale, backend=gpu_backend()), iters)
     qs = mx.random.normal((1, HEADS, length, HEAD_DIM)).astype(DTYPE)
     k = mx.random.normal((1, KV_HEADS, length, HEAD_DIM)).astype(DTYPE)
     v = mx.random.normal((1, KV_HEADS, length, HEAD_DIM)).astype(DTYPE)
     mx.eval(qs, k, v)
     sdpa = time_per_call(lambda: mx.fast.scaled_dot_product_attention(qs, k, v, scale=scale, mask="causal"), iters)
     ref = time_per_call(lambda: paged_attention_reference(q, k_pool, v_pool, meta, scale), iters)
-    fast = importlib.import_module("metal_cluster.kernels.gpu")
-    return dict(length=length, prefill_kernel=fast.PREFILL_KERNEL_ENABLED, paged_us=paged * 1e6, sdpa_us=sdpa * 1e6, ratio=paged / sdpa, reference_us=ref * 1e6)
+    return dict(length=length, paged_us=paged * 1e6, kernel_us=kernel * 1e6, reference_us=ref * 1e6,
+                sdpa_us=sdpa * 1e6, kernel_ratio=kernel / sdpa, paged_ratio=paged / sdpa)
 
 
 def bench_mixed(decodes: int, ctx: int, chunk: int, iters: int) -> dict:
     """A continuous-batching step: `decodes` requests decoding at `ctx`, plus one prompt chunk of
-    `chunk` new tokens at the end of a `ctx`-token context. Kernel vs the MLX-ops reference."""
+    `chunk` new tokens at the end of a `ctx`-token context. The kernel alone, paged_attention's
+    dispatch (which sends large chunks to the reference) and the MLX-ops reference alone."""
     scale = HEAD_DIM ** -0.5
     q, k_pool, v_pool, meta = paged_inputs([1] * decodes + [chunk], [ctx] * (decodes + 1))
     fast = importlib.import_module("metal_cluster.kernels.gpu")
     kernel = time_per_call(lambda: fast.paged_attention_kernel(q, k_pool, v_pool, meta, scale, backend=gpu_backend()), iters)
+    paged = time_per_call(lambda: paged_attention(q, k_pool, v_pool, meta, scale), iters)
     ref = time_per_call(lambda: paged_attention_reference(q, k_pool, v_pool, meta, scale), iters)
-    return dict(decodes=decodes, ctx=ctx, chunk=chunk, kernel_us=kernel * 1e6, reference_us=ref * 1e6,
-                speedup=ref / kernel)
+    return dict(decodes=decodes, ctx=ctx, chunk=chunk, kernel_us=kernel * 1e6, paged_us=paged * 1e6,
+                reference_us=ref * 1e6)
 
 
 def sweep_decode(iters: int) -> list[dict]:

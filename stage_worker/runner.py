@@ -12,7 +12,7 @@ from metal_cluster.stage_worker.attention import LayerContext
 from metal_cluster.stage_worker.batch import StepBatch, build_batch
 from metal_cluster.stage_worker.paged_kv import KVPool
 from metal_cluster.stage_worker.request_table import RequestTable, StepError
-from metal_cluster.stage_worker.sampler import Sampled, SampleRow, sample_rows
+from metal_cluster.stage_worker.sampler import Sampled, SampleRow, plain_greedy, sample_rows
 from metal_cluster.stage_worker.shard import ModelShard
 
 
@@ -50,9 +50,16 @@ class StageRunner:
             out.hidden = hidden
             return out
         if batch.sample_req_ids:
-            logits = np.array(self.shard.logits(hidden[batch.logits_rows]).astype(mx.float32))
+            logits = self.shard.logits(hidden[batch.logits_rows])
             rows = self._sample_rows(batch.sample_req_ids, _grammar_rows(step))
-            out.sampled = dict(zip(batch.sample_req_ids, sample_rows(logits, rows)))
+            if all(plain_greedy(r) for r in rows):
+                # Copying [rows, vocab] logits to the host and scanning them in NumPy cost more than
+                # the attention of a whole decode step on a GPU.
+                tokens = mx.argmax(logits.astype(mx.float32), axis=-1).tolist()
+                out.sampled = {r: Sampled(token_id=t) for r, t in zip(batch.sample_req_ids, tokens)}
+            else:
+                logits = np.array(logits.astype(mx.float32))
+                out.sampled = dict(zip(batch.sample_req_ids, sample_rows(logits, rows)))
         return out
 
     def _sample_rows(self, req_ids: list[str], grammar: dict[str, np.ndarray]) -> list[SampleRow]:

@@ -32,6 +32,14 @@ class Sampled:
     top_logprobs: list[float] | None = None
 
 
+def plain_greedy(row: SampleRow) -> bool:
+    """Greedy with nothing that needs the whole logits row on the host (no grammar mask, logprobs or
+    penalties): the argmax can run where the logits are, and only token ids cross to the host."""
+    p = row.params
+    return (p.temperature < GREEDY_EPS and row.allowed_mask is None and not p.HasField("logprobs")
+            and p.repetition_penalty in (0.0, 1.0) and not p.frequency_penalty and not p.presence_penalty)
+
+
 def sample_rows(logits: np.ndarray, rows: list[SampleRow]) -> list[Sampled]:
     return [_sample_one(logits[i].astype(np.float32, copy=True), row) for i, row in enumerate(rows)]
 

@@ -12,7 +12,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from metal_cluster.kernels import AttentionMetadata, gpu_backend, paged_attention, paged_attention_reference
+from metal_cluster.kernels import (
+    PREFILL_KERNEL_MAX_WORK, AttentionMetadata, gpu_backend, paged_attention, paged_attention_reference,
+)
 
 pa = importlib.import_module("metal_cluster.kernels.gpu")
 
@@ -169,7 +171,33 @@ def test_dispatch_uses_the_kernel_for_mixed_batches():
     np.testing.assert_allclose(np.array(got), reference_f32(q, k_pool, v_pool, meta, 0.125, None), atol=3e-4, rtol=2e-3)
 
 
+@requires_gpu
+def test_dispatch_splits_off_large_prefills():
+    big = int(PREFILL_KERNEL_MAX_WORK ** 0.5) + 8
+    specs = [(1, 900), (big, big), (7, 50), (1, 3000), (big, 2 * big)]
+    q, k_pool, v_pool, meta = make_batch(8, specs, 8, 2, 128, 16, mx.bfloat16)
+    got = np.array(paged_attention(q, k_pool, v_pool, meta, 0.1, 200).astype(mx.float32))
+    np.testing.assert_allclose(got, reference_f32(q, k_pool, v_pool, meta, 0.1, 200), **TOLERANCE[mx.bfloat16])
+
+
 # --- pure Python: runs everywhere ---------------------------------------------------------
+
+def test_large_prefill_split_puts_rows_back_in_order():
+    """The GPU dispatch's split, checked with the reference on both sides (runs on the CPU too)."""
+    kernels = importlib.import_module("metal_cluster.kernels")
+    big = int(PREFILL_KERNEL_MAX_WORK ** 0.5) + 1
+    q, k_pool, v_pool, meta = make_batch(3, [(2, 9), (big, big), (1, 40), (big, big + 5), (3, 3)], 4, 2, 64, 16,
+                                         mx.float32)
+    (small_rows, small), (large_rows, large), order = kernels._split_large_prefills(meta)
+    assert large.query_lens_host == [big, big] and small.query_lens_host == [2, 1, 3]
+    parts = [paged_attention_reference(q[rows], k_pool, v_pool, m, 0.125, None)
+             for rows, m in ((small_rows, small), (large_rows, large))]
+    got = mx.concatenate(parts, axis=0)[order]
+    want = paged_attention_reference(q, k_pool, v_pool, meta, 0.125, None)
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
+    q, k_pool, v_pool, meta = make_batch(4, [(5, 9), (1, 4000)], 4, 2, 64, 16, mx.float32)
+    assert kernels._split_large_prefills(meta) is None
+
 
 def test_decode_layout():
     assert pa.decode_layout(128, 2) == (8, 16)  # 16-byte loads, 16 lanes a row, 2 rows a warp

@@ -5,8 +5,9 @@
 - anywhere else (MLX's CPU backend) and for shapes the kernels do not cover (`gpu.supports`): the
   reference in plain MLX ops, which is also the kernels' test oracle.
 
-On a GPU, a batch's large prefill chunks (`PREFILL_KERNEL_MAX_WORK`) go to the reference, whose
-per-request SDPA uses the matrix units, while its decodes and small chunks stay on the kernel.
+On a GPU a mixed batch is served in up to three parts (`_split_batch`): its decodes by the decode
+kernel, its small prompt chunks by the prefill kernel, and its large ones (`PREFILL_KERNEL_MAX_WORK`)
+by the reference, whose per-request SDPA uses the matrix units.
 """
 
 import mlx.core as mx
@@ -43,43 +44,54 @@ def paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, scale: float, sl
     backend = gpu_backend()
     if backend is None or not _fast.supports(q, k_pool, meta, v_pool):
         return paged_attention_reference(q, k_pool, v_pool, meta, scale, sliding_window)
-    split = _split_large_prefills(meta)
+    split = _split_batch(meta)
     if split is None:
         return _fast.paged_attention_kernel(q, k_pool, v_pool, meta, scale, sliding_window, backend=backend)
-    (small_rows, small), (large_rows, large), order = split
-    if small is None:
+    parts, order = split
+    if order is None:
         return paged_attention_reference(q, k_pool, v_pool, meta, scale, sliding_window)
-    fast = _fast.paged_attention_kernel(q[small_rows], k_pool, v_pool, small, scale, sliding_window, backend=backend)
-    slow = paged_attention_reference(q[large_rows], k_pool, v_pool, large, scale, sliding_window)
-    return mx.concatenate([fast, slow], axis=0)[order]
+    outs = [
+        paged_attention_reference(q[rows], k_pool, v_pool, sub, scale, sliding_window) if kind == "large"
+        else _fast.paged_attention_kernel(q[rows], k_pool, v_pool, sub, scale, sliding_window, backend=backend)
+        for kind, rows, sub in parts
+    ]
+    return mx.concatenate(outs, axis=0)[order]
 
 
-def _split_large_prefills(meta: AttentionMetadata):
-    """None when the kernel takes the whole batch; else ((rows, meta) for the kernel's requests
-    (meta None if there are none), (rows, meta) for the large prefills, and the gather that puts
-    the two outputs back in row order). Cached on the step's metadata, shared by every layer."""
+def _split_batch(meta: AttentionMetadata):
+    """How a GPU batch is served. None: the kernel takes it whole. Else (parts, order): each part
+    (kind, query rows, sub-batch metadata) is one of "decode" (single queries: the decode kernel,
+    much faster per key than the tiled one), "chunk" (small multi-token queries: the prefill
+    kernel) or "large" (the reference); `order` gathers the parts' concatenated outputs back into
+    row order, or is None when the reference takes the batch whole. Cached on the step's metadata,
+    shared by every layer."""
     cache = meta.__dict__.setdefault("_paged_attention_split", {})
-    if PREFILL_KERNEL_MAX_WORK not in cache:
-        q_lens, ctx_lens = meta.query_lens_host, meta.seq_lens_host
-        large = [r for r, (n, c) in enumerate(zip(q_lens, ctx_lens)) if n > 1 and n * c > PREFILL_KERNEL_MAX_WORK]
-        if not large:
-            cache[PREFILL_KERNEL_MAX_WORK] = None
-        else:
-            small = [r for r in range(len(q_lens)) if r not in set(large)]
-            starts = [0]
-            for n in q_lens:
-                starts.append(starts[-1] + n)
-            parts = [_sub_batch(meta, reqs, starts) if reqs else ([], None) for reqs in (small, large)]
-            perm = parts[0][0] + parts[1][0]
-            order = [0] * len(perm)
-            for i, row in enumerate(perm):
-                order[row] = i
-            cache[PREFILL_KERNEL_MAX_WORK] = (
-                (mx.array(parts[0][0], dtype=mx.int32), parts[0][1]),
-                (mx.array(parts[1][0], dtype=mx.int32), parts[1][1]),
-                mx.array(order, dtype=mx.int32),
-            )
-    return cache[PREFILL_KERNEL_MAX_WORK]
+    if PREFILL_KERNEL_MAX_WORK in cache:
+        return cache[PREFILL_KERNEL_MAX_WORK]
+    groups = {"decode": [], "chunk": [], "large": []}
+    for r, (n, c) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        if n == 1:
+            groups["decode"].append(r)
+        elif n > 1:
+            groups["large" if n * c > PREFILL_KERNEL_MAX_WORK else "chunk"].append(r)
+    used = [kind for kind, reqs in groups.items() if reqs]
+    if len(used) <= 1:
+        plan = None if used != ["large"] else ([], None)
+    else:
+        starts = [0]
+        for n in meta.query_lens_host:
+            starts.append(starts[-1] + n)
+        parts, perm = [], []
+        for kind in used:
+            rows, sub = _sub_batch(meta, groups[kind], starts)
+            parts.append((kind, mx.array(rows, dtype=mx.int32), sub))
+            perm.extend(rows)
+        order = [0] * len(perm)
+        for i, row in enumerate(perm):
+            order[row] = i
+        plan = (parts, mx.array(order, dtype=mx.int32))
+    cache[PREFILL_KERNEL_MAX_WORK] = plan
+    return plan
 
 
 def _sub_batch(meta: AttentionMetadata, reqs: list[int], starts: list[int]):

@@ -182,21 +182,22 @@ def test_dispatch_splits_off_large_prefills():
 
 # --- pure Python: runs everywhere ---------------------------------------------------------
 
-def test_large_prefill_split_puts_rows_back_in_order():
-    """The GPU dispatch's split, checked with the reference on both sides (runs on the CPU too)."""
+def test_batch_split_puts_rows_back_in_order():
+    """The GPU dispatch's split, checked with the reference on every part (runs on the CPU too)."""
     kernels = importlib.import_module("metal_cluster.kernels")
     big = int(PREFILL_KERNEL_MAX_WORK ** 0.5) + 1
-    q, k_pool, v_pool, meta = make_batch(3, [(2, 9), (big, big), (1, 40), (big, big + 5), (3, 3)], 4, 2, 64, 16,
-                                         mx.float32)
-    (small_rows, small), (large_rows, large), order = kernels._split_large_prefills(meta)
-    assert large.query_lens_host == [big, big] and small.query_lens_host == [2, 1, 3]
-    parts = [paged_attention_reference(q[rows], k_pool, v_pool, m, 0.125, None)
-             for rows, m in ((small_rows, small), (large_rows, large))]
-    got = mx.concatenate(parts, axis=0)[order]
+    specs = [(2, 9), (big, big), (1, 40), (0, 7), (big, big + 5), (3, 3), (1, 1)]
+    q, k_pool, v_pool, meta = make_batch(3, specs, 4, 2, 64, 16, mx.float32)
+    parts, order = kernels._split_batch(meta)
+    assert [(kind, sub.query_lens_host) for kind, _, sub in parts] == [
+        ("decode", [1, 1]), ("chunk", [2, 3]), ("large", [big, big])]
+    got = mx.concatenate([paged_attention_reference(q[rows], k_pool, v_pool, sub, 0.125, None)
+                          for _, rows, sub in parts], axis=0)[order]
     want = paged_attention_reference(q, k_pool, v_pool, meta, 0.125, None)
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
-    q, k_pool, v_pool, meta = make_batch(4, [(5, 9), (1, 4000)], 4, 2, 64, 16, mx.float32)
-    assert kernels._split_large_prefills(meta) is None
+    for specs, plan in (([(5, 9), (5, 4000)], None), ([(1, 9), (1, 4000)], None), ([(big, big)], ([], None))):
+        meta = make_batch(4, specs, 4, 2, 64, 16, mx.float32)[3]
+        assert kernels._split_batch(meta) == plan
 
 
 def test_decode_layout():

@@ -246,6 +246,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer shapes and steps")
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also sweep the decode kernel's tuning knobs")
+    ap.add_argument("--sections", default="decode,prefill,mixed,model", help="comma-separated subset to run")
     args = ap.parse_args()
     backend = gpu_backend()
     if backend is None:
@@ -256,7 +257,8 @@ def main():
         results["sweep"] = sweep_decode(iters=50)
     batches = [1, 8, 32, 64] if not args.quick else [1, 32]
     ctxs = [512, 1024, 2048, 4096] if not args.quick else [512, 4096]
-    for b in batches:
+    sections = set(args.sections.split(","))
+    for b in batches if "decode" in sections else []:
         for c in ctxs:
             try:
                 row = bench_decode(b, c, iters=50)
@@ -264,21 +266,22 @@ def main():
                 row = dict(batch=b, ctx=c, error=repr(e))
             results["decode"].append(row)
             print(f"decode {row}", flush=True)
-    for length in ([128, 512, 2048, 4096] if not args.quick else [2048]):
+    for length in ([128, 512, 2048, 4096] if not args.quick else [2048]) if "prefill" in sections else []:
         try:
             row = bench_prefill(length, iters=10)
         except Exception as e:
             row = dict(length=length, error=repr(e))
         results["prefill"].append(row)
         print(f"prefill {row}", flush=True)
-    for decodes, ctx, chunk in ([(31, 2048, 512), (8, 1024, 128), (63, 4096, 256)] if not args.quick else [(31, 2048, 512)]):
+    mixed = [(31, 2048, 512), (8, 1024, 128), (63, 4096, 256), (63, 1024, 64)] if not args.quick else [(31, 2048, 512)]
+    for decodes, ctx, chunk in mixed if "mixed" in sections else []:
         try:
             row = bench_mixed(decodes, ctx, chunk, iters=20)
         except Exception as e:
             row = dict(decodes=decodes, ctx=ctx, chunk=chunk, error=repr(e))
         results["mixed"].append(row)
         print(f"mixed {row}", flush=True)
-    if not args.skip_model:
+    if not args.skip_model and "model" in sections:
         try:
             results["model"] = bench_model([1, 32], prompt_len=128, warm=4, steps=32 if not args.quick else 16,
                                            with_reference=True)

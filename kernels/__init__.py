@@ -33,6 +33,11 @@ def gpu_backend() -> str | None:
 # tensor cores) through the reference, not the kernel's scalar tiles. Measured on an H200 at
 # Qwen3-1.7B's attention shape: break-even near a 512-token prompt; at 2K the kernel is 2x slower.
 PREFILL_KERNEL_MAX_WORK = 512 * 512
+# Decodes ride along in the prefill kernel's launch (one tile each, in parallel with the chunks'
+# tiles) unless their contexts add up to more than this: splitting costs a few extra ops, which lost
+# at 8 decodes x 1K beside a 128-token chunk (H200: 415 vs 271 us), while 31 decodes x 2K is 2-4x
+# faster on the decode kernel.
+DECODE_SPLIT_MIN_CONTEXT = 16384
 
 
 def paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, scale: float, sliding_window=None):
@@ -61,8 +66,8 @@ def paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, scale: float, sl
 def _split_batch(meta: AttentionMetadata):
     """How a GPU batch is served. None: the kernel takes it whole. Else (parts, order): each part
     (kind, query rows, sub-batch metadata) is one of "decode" (single queries: the decode kernel,
-    much faster per key than the tiled one), "chunk" (small multi-token queries: the prefill
-    kernel) or "large" (the reference); `order` gathers the parts' concatenated outputs back into
+    much faster per key than the tiled one), "chunk" (small multi-token queries, and decodes with
+    little context beside them: the prefill kernel) or "large" (the reference); `order` gathers the parts' concatenated outputs back into
     row order, or is None when the reference takes the batch whole. Cached on the step's metadata,
     shared by every layer."""
     cache = meta.__dict__.setdefault("_paged_attention_split", {})
@@ -74,6 +79,10 @@ def _split_batch(meta: AttentionMetadata):
             groups["decode"].append(r)
         elif n > 1:
             groups["large" if n * c > PREFILL_KERNEL_MAX_WORK else "chunk"].append(r)
+    if groups["chunk"] and not groups["large"] and \
+            sum(meta.seq_lens_host[r] for r in groups["decode"]) <= DECODE_SPLIT_MIN_CONTEXT:
+        groups["chunk"] = sorted(groups["chunk"] + groups["decode"])
+        groups["decode"] = []
     used = [kind for kind, reqs in groups.items() if reqs]
     if len(used) <= 1:
         plan = None if used != ["large"] else ([], None)

@@ -195,7 +195,12 @@ def test_batch_split_puts_rows_back_in_order():
                           for _, rows, sub in parts], axis=0)[order]
     want = paged_attention_reference(q, k_pool, v_pool, meta, 0.125, None)
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
-    for specs, plan in (([(5, 9), (5, 4000)], None), ([(1, 9), (1, 4000)], None), ([(big, big)], ([], None))):
+    few_decodes = [(1, 9), (5, 50), (1, 4000)]  # decodes with little context stay with the chunks
+    many_decodes = [(1, 4000)] * 5 + [(5, 50)]
+    assert [kind for kind, _, _ in kernels._split_batch(make_batch(5, many_decodes, 4, 2, 64, 16, mx.float32)[3])[0]] \
+        == ["decode", "chunk"]
+    for specs, plan in (([(5, 9), (5, 4000)], None), ([(1, 9), (1, 4000)], None), ([(big, big)], ([], None)),
+                        (few_decodes, None)):
         meta = make_batch(4, specs, 4, 2, 64, 16, mx.float32)[3]
         assert kernels._split_batch(meta) == plan
 

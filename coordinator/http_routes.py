@@ -78,9 +78,9 @@ async def cluster_routes(request, call_next):
         return JSONResponse({"draining": True})
     if path == "/metal-cluster/rebalance" and method == "POST":
         return await _rebalance(request)
-    if method == "POST" and path.startswith("/v1/"):
-        if getattr(state, "metal_cluster_draining", False):
-            return _error(503, "this server is shutting down and takes no new requests", "ServiceUnavailable")
+    if method == "POST" and path.startswith("/v1/") and getattr(state, "metal_cluster_draining", False):
+        return _error(503, "this server is shutting down and takes no new requests", "ServiceUnavailable")
+    if (method == "POST" and path.startswith("/v1/")) or (method == "GET" and path == "/health"):
         snapshot = _snapshot()
         if snapshot and snapshot.get("state") == "unavailable":
             return _error(503, snapshot.get("reason") or "the cluster cannot serve the model now", "ServiceUnavailable")

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import openai
@@ -153,6 +154,9 @@ def test_no_stage_left_is_a_clear_503_until_rebalance(llama_model, env):
             greedy(client, ids, 5)
         assert refused.value.status_code == 503 and time.monotonic() - began < 5
         assert "no stage worker is left" in refused.value.message and "rebalance" in refused.value.message
+        with pytest.raises(urllib.error.HTTPError) as unhealthy:
+            urllib.request.urlopen(f"{url}/health", timeout=10)
+        assert unhealthy.value.code == 503
         # An operator brings a worker back and asks for a re-plan.
         port = free_port()
         log = open(env / "worker.log", "w")

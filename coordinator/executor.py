@@ -176,10 +176,10 @@ class ClusterExecutor(Executor):
                     return EMPTY_MODEL_RUNNER_OUTPUT  # the next plan's stages never knew them
                 step = self.translator.to_step(so)
                 pipeline, generation = self.pipeline, self.control.generation
-            try:
-                pipeline.submit(step).result()
-            except Exception as e:
-                self._lose(f"a step failed: {e}", generation)
+            # Not waited for: the stages run steps in order anyway, and a frozen stage must not
+            # hold up the engine (and with it the error answers of the requests in flight).
+            pipeline.submit(step).add_done_callback(
+                lambda f: f.exception() is not None and self._lose(f"a step failed: {f.exception()}", generation))
             return EMPTY_MODEL_RUNNER_OUTPUT
         # The grammar bitmask for this step only arrives in sample_tokens, so the step goes out there.
         self.pending = so
@@ -261,7 +261,9 @@ class ClusterExecutor(Executor):
         for why in lost:
             log.warning("cluster: left out of the new plan: %s", why)
         self.pipeline.close()  # ends steps still waiting on the old stages
+        probed = time.monotonic()
         stages, healths = replan.reset_all(alive, reason, started + replan.RESET_TIMEOUT_S)
+        reset = time.monotonic()
         try:
             plan = replan.build(stages, healths, self._settings())
         except replan.ReplanError as e:
@@ -278,7 +280,8 @@ class ClusterExecutor(Executor):
             self.translator = StepTranslator()
         message = (f"re-planned in {time.monotonic() - started:.1f}s: {len(plan.ranges)} stage(s) "
                    + ", ".join(f"{s.name} [{a}, {b})" for s, (a, b) in zip(plan.pipeline.stages, plan.ranges))
-                   + f"; {plan.num_blocks} KV blocks")
+                   + f"; {plan.num_blocks} KV blocks (probe {probed - started:.1f}s, worker restart "
+                   f"{reset - probed:.1f}s, load and start {time.monotonic() - reset:.1f}s)")
         log.info("cluster: %s", message)
         self.control.settle("serving", message, plan.num_blocks)
         self.monitor.follow(plan.pipeline, plan.ranges, self.control.generation)

@@ -73,8 +73,10 @@ def one_fault(fault: str, stage_timeout: float, work: Path) -> dict:
             os.kill(victim, signal.SIGKILL)
         events = status(url)["events"]
     outage = next(e["time"] for e in events if e["time"] >= hit)
-    replanned = next(e["time"] for e in events if "re-planned" in e["message"])
-    return {"detect": outage - hit, "errors": ended - hit, "recover": replanned - hit, "answer": answered - hit}
+    replanned = next(e for e in events if "re-planned" in e["message"])
+    print(f"  {fault}: {replanned['message']}", file=sys.stderr, flush=True)
+    return {"detect": outage - hit, "errors": ended - hit, "recover": replanned["time"] - hit,
+            "answer": answered - hit}
 
 
 def main():

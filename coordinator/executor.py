@@ -257,7 +257,8 @@ class ClusterExecutor(Executor):
     def _heal(self, reason: str, extra: tuple[str, ...]) -> None:
         started = time.monotonic()
         candidates = [self._stage(a) for a in dict.fromkeys([*self.addresses, *extra])]
-        alive, lost = replan.answering(candidates, timeout_s=min(5.0, self.stage_timeout_s))
+        # Short: a live worker answers health at once, even mid-step (it does not wait for MLX).
+        alive, lost = replan.answering(candidates, timeout_s=min(2.0, self.stage_timeout_s))
         for why in lost:
             log.warning("cluster: left out of the new plan: %s", why)
         self.pipeline.close()  # ends steps still waiting on the old stages

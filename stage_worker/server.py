@@ -159,7 +159,7 @@ def serve(host: str, port: int, ring_port: int, token: str, advertise_ip: str | 
     if advertiser:
         advertiser.close()
     # A reset must not wait for a step stuck in a ring transfer: the new process image ends it.
-    server.stop(grace=0.5 if reset.reason else 2).wait(5)
+    server.stop(grace=0.5 if reset.reason else 2).wait(1 if reset.reason else 5)
     if reset.reason:
         _reexec(reset.reason)
     log.info("worker stopped")

@@ -41,17 +41,23 @@ class ClusterControl:
     events: list[Event] = field(default_factory=list)
     changed: threading.Condition = field(default_factory=threading.Condition)
 
-    def begin_outage(self, reason: str, lost: int) -> int | None:
+    def begin_outage(self, reason: str) -> int | None:
         """Mark the pipeline broken; the outage id, or None when one is already being healed."""
         with self.changed:
             if self.state == "healing":
                 return None
             self.state, self.reason = "healing", reason
             self.outage_id += 1
-            self.stage_losses += lost
             self._note(reason)
             self.changed.notify_all()
             return self.outage_id
+
+    def note_lost(self, reasons: list[str]) -> None:
+        """The stages that did not answer when the re-plan looked: they are out of the next plan."""
+        with self.changed:
+            self.stage_losses += len(reasons)
+            for reason in reasons:
+                self._note(f"lost {reason}")
 
     def settle(self, state: str, message: str, capacity_blocks: int | None = None) -> None:
         """The end of a re-plan: serving on a new plan, or unavailable with the reason."""

@@ -228,22 +228,22 @@ class ClusterExecutor(Executor):
                     "the cluster is re-planning on the hosts that remain: retry the request",
         )
 
-    def _lose(self, reason: str, generation: int | None = None, lost: int = 1) -> None:
+    def _lose(self, reason: str, generation: int | None = None) -> None:
         """A stage of plan `generation` failed: answer every step in flight, then re-plan."""
-        self._begin_outage(reason, generation, lost, ())
+        self._begin_outage(reason, generation, ())
 
     def rebalance(self, addresses: list[str]) -> str:
         """`metal-cluster rebalance`: re-plan over the stages we have plus `addresses` (returning or
         new workers). Runs in the background; the requests in flight end with a retryable error."""
-        started = self._begin_outage("re-planning on the operator's request (metal-cluster rebalance)", None, 0,
+        started = self._begin_outage("re-planning on the operator's request (metal-cluster rebalance)", None,
                                      tuple(addresses))
         return "re-planning" if started else "a re-plan is already running"
 
-    def _begin_outage(self, reason, generation, lost, extra) -> bool:
+    def _begin_outage(self, reason, generation, extra) -> bool:
         with self.lock:
             if generation is not None and generation != self.control.generation:
                 return False  # a stage of an older plan; that one is over
-            outage_id = self.control.begin_outage(reason, lost)
+            outage_id = self.control.begin_outage(reason)
             if outage_id is None:
                 return False
             answered, self.inflight = self.inflight, {}
@@ -255,34 +255,44 @@ class ClusterExecutor(Executor):
         return True
 
     def _heal(self, reason: str, extra: tuple[str, ...]) -> None:
-        started = time.monotonic()
+        clock = [time.monotonic()]
         candidates = [self._stage(a) for a in dict.fromkeys([*self.addresses, *extra])]
         # Short: a live worker answers health at once, even mid-step (it does not wait for MLX).
         alive, lost = replan.answering(candidates, timeout_s=min(2.0, self.stage_timeout_s))
         for why in lost:
             log.warning("cluster: left out of the new plan: %s", why)
+        self.control.note_lost(lost)
         self.pipeline.close()  # ends steps still waiting on the old stages
-        probed = time.monotonic()
-        stages, healths = replan.reset_all(alive, reason, started + replan.RESET_TIMEOUT_S)
-        reset = time.monotonic()
+        clock.append(time.monotonic())
+        stages, healths = replan.reset_all(alive, reason, clock[0] + replan.RESET_TIMEOUT_S)
+        clock.append(time.monotonic())
         try:
             plan = replan.build(stages, healths, self._settings())
         except replan.ReplanError as e:
-            self.addresses = [s.name for s in stages]  # idle now; a rebalance can use them again
-            message = (f"cannot serve {self.model_name} on the hosts that remain: {e}; start or fix a worker, "
-                       "then run `metal-cluster rebalance`")
-            log.error("cluster: %s", message)
-            self.monitor.follow(Pipeline(stages), [(0, 0)] * len(stages), self.control.generation)
-            self.control.settle("unavailable", message)
+            self._give_up(stages, e)
             return
+        clock.append(time.monotonic())
+        self._adopt(plan, clock)
+
+    def _give_up(self, stages: list, error: replan.ReplanError) -> None:
+        """Serve 503s that say why, with the idle stages kept for a `rebalance`."""
+        self.addresses = [s.name for s in stages]
+        message = (f"cannot serve {self.model_name} on the hosts that remain: {error}; start or fix a worker, "
+                   "then run `metal-cluster rebalance`")
+        log.error("cluster: %s", message)
+        self.monitor.follow(Pipeline(stages), [(0, 0)] * len(stages), self.control.generation)
+        self.control.settle("unavailable", message)
+
+    def _adopt(self, plan: replan.Plan, clock: list[float]) -> None:
         with self.lock:
             self.pipeline, self.ranges, self.assigned = plan.pipeline, plan.ranges, plan.assigned
             self.addresses = [s.name for s in plan.pipeline.stages]
-            self.translator = StepTranslator()
-        message = (f"re-planned in {time.monotonic() - started:.1f}s: {len(plan.ranges)} stage(s) "
-                   + ", ".join(f"{s.name} [{a}, {b})" for s, (a, b) in zip(plan.pipeline.stages, plan.ranges))
-                   + f"; {plan.num_blocks} KV blocks (probe {probed - started:.1f}s, worker restart "
-                   f"{reset - probed:.1f}s, load and start {time.monotonic() - reset:.1f}s)")
+            self.translator = StepTranslator()  # the new stages know no request yet
+        probe, restart, load = (b - a for a, b in zip(clock, clock[1:]))
+        stages = ", ".join(f"{s.name} [{a}, {b})" for s, (a, b) in zip(plan.pipeline.stages, plan.ranges))
+        message = (f"re-planned in {clock[-1] - clock[0]:.1f}s: {len(plan.ranges)} stage(s) {stages}; "
+                   f"{plan.num_blocks} KV blocks (probe {probe:.1f}s, worker restart {restart:.1f}s, "
+                   f"load and start {load:.1f}s)")
         log.info("cluster: %s", message)
         self.control.settle("serving", message, plan.num_blocks)
         self.monitor.follow(plan.pipeline, plan.ranges, self.control.generation)

@@ -137,9 +137,13 @@ def serve(host: str, port: int, ring_port: int, token: str, advertise_ip: str | 
     stage = StageHost(node_id=os.environ.get(NODE_ID_ENV), ring_port=ring_port)
     os.environ[NODE_ID_ENV] = stage.node_id
     pb_grpc.add_StageServicer_to_server(StageService(stage, stop, reset), server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:  # grpc's way of saying the address is not this host's, or the port is taken
+        bound = 0
     if bound == 0:
-        raise OSError(f"cannot listen on {host}:{port}")
+        raise OSError(f"cannot listen on {host}:{port}: use an address of this host (--host or --interface) "
+                      "and a free --port")
     server.start()
     log.info("worker %s listening on %s:%d (ring port %d)", stage.node_id, host, bound, ring_port)
     advertiser = None

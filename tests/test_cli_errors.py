@@ -58,3 +58,9 @@ def test_generate_tiny_model(llama_model):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
+
+
+def test_worker_on_an_address_this_host_lacks():
+    result = subprocess.run([*CLI, "worker", "--host", "10.255.255.1", "--port", "7999", "--cluster-token", "t",
+                             "--no-advertise"], capture_output=True, text=True, timeout=120)
+    assert_one_line_error(result, "cannot listen on 10.255.255.1:7999", "--host")

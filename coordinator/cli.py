@@ -258,10 +258,12 @@ def rebalance(
     interface: str = typer.Option(None, "--interface", help="Interface name or IPv4 address to browse on."),
     discovery_timeout: float = typer.Option(5.0, help="Seconds to browse for workers."),
     timeout: float = typer.Option(300.0, help="Seconds to wait for the new plan."),
+    drain_timeout: float = typer.Option(30.0, min=0, help="Seconds running requests may take to finish first."),
     cluster_token: str = typer.Option(None, help="Shared secret (else $METAL_CLUSTER_TOKEN, else the token file)."),
 ):
-    """Re-plan a running cluster over its stages plus workers that came back or are new. A worker never
-    joins mid-traffic by itself; requests running at that moment end with a retryable error."""
+    """Re-plan a running cluster over its stages plus workers that came back or are new (a worker never
+    joins mid-traffic by itself). Running requests finish first, new ones wait for the new plan; what
+    still runs after --drain-timeout ends with a retryable error."""
     from rich.console import Console
 
     from metal_cluster.coordinator import status as view
@@ -277,7 +279,7 @@ def rebalance(
             ip = cluster.interface_ip(interface)
             hosts = cluster.discover(ip, peers, mdns, discovery_timeout, 0, token, console)
             addresses = [h.grpc_address for h in hosts]
-        view.rebalance(target, addresses, timeout)
+        view.rebalance(target, addresses, timeout, drain_timeout)
     except (view.StatusError, cluster.UpError) as e:
         fail(str(e), code=1)
 

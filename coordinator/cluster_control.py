@@ -40,6 +40,24 @@ class ClusterControl:
     replans: int = 0
     events: list[Event] = field(default_factory=list)
     changed: threading.Condition = field(default_factory=threading.Condition)
+    # A re-plan the operator asked for lets running requests finish first: the scheduler starts no
+    # new ones while `draining`, and sets `drained` once nothing runs.
+    draining: bool = False
+    drained: threading.Event = field(default_factory=threading.Event)
+
+    def begin_drain(self) -> bool:
+        with self.changed:
+            if self.state == "healing" or self.draining:
+                return False
+            self.draining = True
+            self.drained.clear()
+            self._note("draining: running requests finish, new ones wait, then the cluster re-plans")
+            return True
+
+    def wait_drain_over(self) -> None:
+        """Until the re-plan that the drain prepares has begun (bounded by the drain's timeout)."""
+        with self.changed:
+            self.changed.wait_for(lambda: not self.draining)
 
     def begin_outage(self, reason: str) -> int | None:
         """Mark the pipeline broken; the outage id, or None when one is already being healed."""
@@ -47,6 +65,7 @@ class ClusterControl:
             if self.state == "healing":
                 return None
             self.state, self.reason = "healing", reason
+            self.draining = False
             self.outage_id += 1
             self._note(reason)
             self.changed.notify_all()

@@ -43,9 +43,11 @@ class ClusterScheduler(Scheduler):
         self.seen_outages: set[int] = set()
         self.fenced = []  # blocks above the current plan's capacity
         self.deferred_since = None
+        self.paused_for_drain = False
 
     def schedule(self, *args, **kwargs):
         if self.control is not None:
+            self._follow_drain()
             view = self.control.wait_settled()
             if view.generation != self.generation:
                 if self.running and not self._deferred_too_long():
@@ -79,7 +81,33 @@ class ClusterScheduler(Scheduler):
                 if request is not None and not request.is_finished():
                     # vLLM ends these with FINISHED_ERROR and hands the error to the API server.
                     self.grammar_compile_error_reqs[req_id] = failure
-        return super().update_from_output(scheduler_output, model_runner_output)
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self.control is not None and self.control.draining and not self.running:
+            self.control.drained.set()
+        return outputs
+
+    def _follow_drain(self) -> None:
+        """While draining, only running requests go on (vLLM's PAUSED_NEW); once none runs, wait
+        here (holding the new ones) until the re-plan takes over."""
+        if self.control.draining:
+            if not self.paused_for_drain:
+                self._pause_state, self.paused_for_drain = PauseState.PAUSED_NEW, True
+            if not self.running:
+                self.control.drained.set()
+                self.control.wait_drain_over()
+        if self.paused_for_drain and not self.control.draining:
+            self._pause_state, self.paused_for_drain = PauseState.UNPAUSED, False
+
+    def get_num_unfinished_requests(self) -> int:
+        if not self.paused_for_drain:
+            return super().get_num_unfinished_requests()
+        # Count the held requests too: an engine with nothing to do stops asking `schedule`, and
+        # only `schedule` can take them up again after the re-plan.
+        paused, self._pause_state = self._pause_state, PauseState.UNPAUSED
+        try:
+            return super().get_num_unfinished_requests()
+        finally:
+            self._pause_state = paused
 
     def _adopt_plan(self, view) -> None:
         pool = self.kv_cache_manager.block_pool

@@ -232,12 +232,29 @@ class ClusterExecutor(Executor):
         """A stage of plan `generation` failed: answer every step in flight, then re-plan."""
         self._begin_outage(reason, generation, ())
 
-    def rebalance(self, addresses: list[str]) -> str:
+    def rebalance(self, addresses: list[str], drain_s: float = 30.0) -> str:
         """`metal-cluster rebalance`: re-plan over the stages we have plus `addresses` (returning or
-        new workers). Runs in the background; the requests in flight end with a retryable error."""
-        started = self._begin_outage("re-planning on the operator's request (metal-cluster rebalance)", None,
-                                     tuple(addresses))
-        return "re-planning" if started else "a re-plan is already running"
+        new workers), in the background. Running requests may finish first, for up to `drain_s`
+        seconds; new ones wait for the new plan."""
+        if self.control.state == "unavailable":
+            drain_s = 0  # nothing runs
+        elif not self.control.begin_drain():
+            return "a re-plan is already running"
+        threading.Thread(target=self._drain_then_replan, args=(tuple(addresses), drain_s), name="drain",
+                         daemon=True).start()
+        return "draining, then re-planning" if drain_s else "re-planning"
+
+    def _drain_then_replan(self, addresses: tuple[str, ...], drain_s: float) -> None:
+        deadline = time.monotonic() + drain_s
+        idle_since = time.monotonic()
+        while not self.control.drained.wait(0.2) and time.monotonic() < deadline:
+            with self.lock:
+                busy = bool(self.inflight)
+            if busy:
+                idle_since = time.monotonic()
+            elif time.monotonic() - idle_since > 1.0:
+                break  # no step for a second: nothing runs (an idle engine never asks its scheduler)
+        self._begin_outage("re-planning on the operator's request (metal-cluster rebalance)", None, addresses)
 
     def _begin_outage(self, reason, generation, extra) -> bool:
         with self.lock:

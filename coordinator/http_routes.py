@@ -2,7 +2,8 @@
 
   GET  /metal-cluster/status   the nodes/stages snapshot the executor keeps
   POST /metal-cluster/drain    stop admitting new requests (503); running ones finish
-  POST /metal-cluster/rebalance  re-plan over the stages plus {"peers": ["host:port", ...]}
+  POST /metal-cluster/rebalance  re-plan over the stages plus {"peers": ["host:port", ...]}, after
+                               running requests finish (up to "drain_timeout" seconds, default 30)
   GET  /metrics                vLLM's metrics plus per-stage cluster gauges
 
 While the cluster cannot hold the model (stages lost, too few hosts left) new requests get a 503
@@ -97,10 +98,13 @@ async def cluster_routes(request, call_next):
 
 async def _rebalance(request):
     try:
-        peers = json.loads(await request.body() or b"{}").get("peers", [])
+        body = json.loads(await request.body() or b"{}")
+        peers, drain = body.get("peers", []), body.get("drain_timeout", 30)
     except (json.JSONDecodeError, AttributeError):
-        peers = None
-    if not isinstance(peers, list) or not all(isinstance(p, str) and ":" in p for p in peers):
-        return _error(400, 'the body must be {"peers": ["host:port", ...]}', "BadRequestError")
-    answers = await request.app.state.engine_client.collective_rpc("rebalance", args=(peers,))
+        peers = drain = None
+    if (not isinstance(peers, list) or not all(isinstance(p, str) and ":" in p for p in peers)
+            or not isinstance(drain, (int, float)) or drain < 0):
+        return _error(400, 'the body must be {"peers": ["host:port", ...], "drain_timeout": seconds}',
+                      "BadRequestError")
+    answers = await request.app.state.engine_client.collective_rpc("rebalance", args=(peers, float(drain)))
     return JSONResponse({"rebalance": answers[0] if answers else "not supported by this engine", "peers": peers})

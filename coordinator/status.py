@@ -161,12 +161,13 @@ def bring_down(url: str, timeout: float, workers_too: bool) -> None:
     console.print(f"stopped {url}" + (f" (killed {len(left)} process(es) that did not stop)" if left else ""))
 
 
-def rebalance(url: str, peers: list[str], timeout: float) -> None:
+def rebalance(url: str, peers: list[str], timeout: float, drain_timeout: float = 30.0) -> None:
     """Ask the coordinator to re-plan over its stages plus `peers`, and follow it to the end."""
     console = Console(stderr=True, soft_wrap=True)
     before = collect(url)["cluster"].get("replans") or 0
     asked = time.time()
-    answer = json.loads(_post(f"{url}/metal-cluster/rebalance", timeout=30, body=json.dumps({"peers": peers}).encode()))
+    body = json.dumps({"peers": peers, "drain_timeout": drain_timeout}).encode()
+    answer = json.loads(_post(f"{url}/metal-cluster/rebalance", timeout=30, body=body))
     console.print(f"{url}: {answer['rebalance']}" + (f" with {', '.join(peers)}" if peers else ""))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

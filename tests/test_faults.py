@@ -201,3 +201,39 @@ def test_workers_outlive_a_coordinator_restart(llama_model, env):
         for w in workers:
             os.killpg(w.pid, signal.SIGKILL)
             w.wait(10)
+
+
+def test_rebalance_lets_running_requests_finish(llama_model, env):
+    """A re-plan the operator asks for: the running stream finishes whole on the old plan, a request
+    sent meanwhile waits for the new one, and the new worker joins the plan."""
+    import threading
+
+    ref_model, tokenizer = load(str(llama_model))
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:2]]
+    port = free_port()
+    log = open(env / "worker.log", "w")
+    worker = subprocess.Popen([*CLI, "worker", "--port", str(port), "--ring-port", str(free_port()),
+                               "--no-advertise"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        with running_server(llama_model, *ARGS, "-pp", "2", log_path=env / "server.log") as url, \
+                concurrent.futures.ThreadPoolExecutor(2) as pool:
+            client = client_for(url)
+            first = threading.Event()
+            running = pool.submit(stream, client, prompts[0], first)
+            assert first.wait(60)
+            body = json.dumps({"peers": [f"127.0.0.1:{port}"], "drain_timeout": 60}).encode()
+            asked = urllib.request.Request(f"{url}/metal-cluster/rebalance", data=body, method="POST")
+            with urllib.request.urlopen(asked, timeout=30) as r:
+                assert json.loads(r.read())["rebalance"] == "draining, then re-planning"
+            held = pool.submit(greedy, client, prompts[1], 10)
+            kind, tokens, ended = running.result(timeout=120)
+            assert kind == "done" and tokens == mlx_lm_greedy(ref_model, prompts[0], LONG)
+            assert held.result(timeout=120) == mlx_lm_greedy(ref_model, prompts[1], 10)
+            view = wait_for(lambda: (v := status_json(url))["cluster"]["replans"] == 1 and v, 60, "re-plan")
+            assert len(view["stages"]) == 3 and f"127.0.0.1:{port}" in [n["address"] for n in view["nodes"]]
+            events = [e["message"] for e in view["cluster"]["events"]]
+            assert events[0].startswith("draining") and any("re-planned" in e for e in events)
+            assert view["cluster"]["stage_losses"] == 0
+    finally:
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait(10)

@@ -39,6 +39,11 @@ def main(
         os.environ.setdefault(TOKEN_FILE_ENV, settings["token_file"])  # the environment wins over the file
 
 
+def _stage_timeout_option():
+    return typer.Option(
+        15.0, min=1, help="Seconds a stage may miss heartbeats before it counts as lost and the cluster re-plans.")
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def serve(
     ctx: typer.Context,
@@ -51,8 +56,7 @@ def serve(
     pipeline_parallel_size: int = typer.Option(
         1, "--pipeline-parallel-size", "-pp", min=1, help="Split the layers over this many local stage-worker processes."
     ),
-    stage_timeout: float = typer.Option(
-        15.0, min=1, help="Seconds a stage may miss heartbeats before it counts as lost and the cluster re-plans."),
+    stage_timeout: float = _stage_timeout_option(),
 ):
     """Serve the OpenAI API on this machine. Other flags go to vLLM with vLLM's names
     (--max-model-len, --max-num-seqs, --gpu-memory-utilization, --api-key, --tool-call-parser, ...)."""
@@ -80,8 +84,7 @@ def up(
     discovery_timeout: float = typer.Option(5.0, help="Seconds to browse for workers."),
     local_worker: bool = typer.Option(True, help="Run a stage on this host too."),
     cluster_token: str = typer.Option(None, help="Shared secret (else $METAL_CLUSTER_TOKEN, else the token file)."),
-    stage_timeout: float = typer.Option(
-        15.0, min=1, help="Seconds a stage may miss heartbeats before it counts as lost and the cluster re-plans."),
+    stage_timeout: float = _stage_timeout_option(),
 ):
     """Coordinate a cluster: discover workers, place the layers, start the stages, serve the OpenAI API."""
     import os

@@ -40,7 +40,7 @@ class ClusterScheduler(Scheduler):
         config = self.vllm_config.additional_config
         self.control = config.get(CONTROL_KEY) if isinstance(config, dict) else None
         self.generation = self.control.generation if self.control else 0
-        self.seen_outages: set[int] = set()
+        self.last_outage = 0  # outage ids only grow
         self.fenced = []  # blocks above the current plan's capacity
         self.deferred_since = None
         self.paused_for_drain = False
@@ -71,8 +71,8 @@ class ClusterScheduler(Scheduler):
         failure = getattr(model_runner_output, "failure", None)
         if failure is not None:
             ended = set(scheduler_output.num_scheduled_tokens)
-            if model_runner_output.outage_id not in self.seen_outages:
-                self.seen_outages.add(model_runner_output.outage_id)
+            if model_runner_output.outage_id > self.last_outage:
+                self.last_outage = model_runner_output.outage_id
                 # Everything that has started holds KV on the lost stages: running, or preempted.
                 ended |= {r.request_id for r in self.running}
                 ended |= {r.request_id for r in self.waiting if r.status == RequestStatus.PREEMPTED}

@@ -164,7 +164,7 @@ def bring_down(url: str, timeout: float, workers_too: bool) -> None:
 def rebalance(url: str, peers: list[str], timeout: float, drain_timeout: float = 30.0) -> None:
     """Ask the coordinator to re-plan over its stages plus `peers`, and follow it to the end."""
     console = Console(stderr=True, soft_wrap=True)
-    before = collect(url)["cluster"].get("replans") or 0
+    before = _cluster(url).get("replans") or 0
     asked = time.time()
     body = json.dumps({"peers": peers, "drain_timeout": drain_timeout}).encode()
     answer = json.loads(_post(f"{url}/metal-cluster/rebalance", timeout=30, body=body))
@@ -172,7 +172,7 @@ def rebalance(url: str, peers: list[str], timeout: float, drain_timeout: float =
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         time.sleep(1)
-        cluster = collect(url)["cluster"]
+        cluster = _cluster(url)
         last_event = (cluster.get("events") or [{"time": 0}])[-1]["time"]
         if cluster.get("state") == "unavailable" and last_event > asked:
             raise StatusError(cluster.get("reason") or "the cluster cannot serve the model")
@@ -180,6 +180,11 @@ def rebalance(url: str, peers: list[str], timeout: float, drain_timeout: float =
             console.print(cluster["events"][-1]["message"] if cluster.get("events") else "serving")
             return
     raise StatusError(f"the re-plan did not finish in {timeout:.0f}s; see `metal-cluster status`")
+
+
+def _cluster(url: str) -> dict:
+    """The coordinator's cluster state: serving, healing or unavailable, with counters and events."""
+    return json.loads(_get(f"{url}/metal-cluster/status"))
 
 
 def _stop_remote_workers(view, console):

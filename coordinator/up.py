@@ -56,41 +56,34 @@ def _check(found: Found, token: str, console: Console, deadline: float) -> Host 
     stage = RemoteStage(found.address, token=token)
     try:
         health = stage.wait_ready(deadline)
+        if health.state != "idle":
+            health = _claim_if_orphaned(stage, health, console, deadline)
     except StageCallError as e:
         console.print(f"  left out {found.address}: {e}")
         return None
     finally:
         stage.close()
-    if health.state != "idle":
-        health = _claim_if_orphaned(found.address, health, token, console, deadline)
-        if health is None:
-            return None
+    if health is None:
+        return None
     return Host(name=health.node_id, grpc_address=found.address, memory_total=health.host_memory_bytes,
                 wired=found.link != "wifi", ring_port=health.ring_port)
 
 
-def _claim_if_orphaned(address: str, health, token: str, console: Console, deadline: float):
+def _claim_if_orphaned(stage: RemoteStage, health, console: Console, deadline: float):
     """A busy worker whose coordinator stopped sending heartbeats (it crashed or restarted) is reset and
     used; one that still hears from its coordinator belongs to another cluster and is left out."""
     from metal_cluster.coordinator.replan import wait_idle
 
-    stage = RemoteStage(address, token=token)
-    try:
-        while health.coordinator_silent_s < ORPHANED_S:
-            if time.monotonic() >= deadline:
-                console.print(f"  left out {address}: it is {health.state} for another coordinator")
-                return None
-            time.sleep(0.5)
-            health = stage.health()
-        console.print(f"  {address} was left {health.state} by a coordinator that is gone "
-                      f"({health.coordinator_silent_s:.0f}s without heartbeats): resetting it")
-        stage.reset("a new coordinator claims this orphaned stage")
-        return wait_idle(stage, time.monotonic() + 60)
-    except StageCallError as e:
-        console.print(f"  left out {address}: {e}")
-        return None
-    finally:
-        stage.close()
+    while health.coordinator_silent_s < ORPHANED_S:
+        if time.monotonic() >= deadline:
+            console.print(f"  left out {stage.name}: it is {health.state} for another coordinator")
+            return None
+        time.sleep(0.5)
+        health = stage.health()
+    console.print(f"  {stage.name} was left {health.state} by a coordinator that is gone "
+                  f"({health.coordinator_silent_s:.0f}s without heartbeats): resetting it")
+    stage.reset("a new coordinator claims this orphaned stage")
+    return wait_idle(stage, time.monotonic() + 60)
 
 
 def show_plan(stages: list[StagePlan], console: Console) -> None:

@@ -52,7 +52,7 @@ def _rpc(method):
 
 
 class StageService(pb_grpc.StageServicer):
-    def __init__(self, host: StageHost, stop: threading.Event, reset: "ResetRequest"):
+    def __init__(self, host: StageHost, stop: threading.Event, reset: "PendingReset"):
         self.host = host
         self.stop = stop
         self.reset = reset
@@ -95,7 +95,7 @@ class StageService(pb_grpc.StageServicer):
         return pb.ResetResponse()
 
 
-class ResetRequest:
+class PendingReset:
     """Why the worker is going to re-execute itself once its gRPC server has stopped (None: it isn't)."""
 
     def __init__(self):
@@ -105,7 +105,7 @@ class ResetRequest:
         self.reason = self.reason or reason
 
 
-def _watch_coordinator(host: StageHost, timeout_s: float, reset: ResetRequest, stop: threading.Event):
+def _watch_coordinator(host: StageHost, timeout_s: float, reset: PendingReset, stop: threading.Event):
     """A serving stage whose coordinator went quiet (it crashed or restarted) frees itself, so that a
     new coordinator finds it idle without anyone restarting this worker."""
     while not stop.wait(1.0):
@@ -128,7 +128,7 @@ def _reexec(reason: str) -> None:
 def serve(host: str, port: int, ring_port: int, token: str, advertise_ip: str | None = None,
           coordinator_timeout_s: float = 30.0) -> None:
     stop = threading.Event()
-    reset = ResetRequest()
+    reset = PendingReset()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc"),
         interceptors=[TokenCheck(token)],

@@ -164,8 +164,9 @@ def test_block_size_not_a_power_of_two():
 
 
 @requires_gpu
-def test_dispatch_uses_the_kernel_for_mixed_batches():
-    q, k_pool, v_pool, meta = make_batch(6, [(12, 40), (1, 700)], 8, 4, 64, 16, mx.float32)
+@pytest.mark.parametrize("seed, specs", [(5, [(1, 40), (1, 700)]), (6, [(12, 40), (1, 700)])], ids=["decode", "mixed"])
+def test_dispatch_uses_the_kernel(seed, specs):
+    q, k_pool, v_pool, meta = make_batch(seed, specs, 8, 4, 64, 16, mx.float32)
     assert pa.supports(q, k_pool, meta, v_pool)
     got = paged_attention(q, k_pool, v_pool, meta, 0.125, None)
     np.testing.assert_allclose(np.array(got), reference_f32(q, k_pool, v_pool, meta, 0.125, None), atol=3e-4, rtol=2e-3)
@@ -273,14 +274,6 @@ def test_one_body_two_backends(kind):
     # Past the per-backend prologue, the kernel body is the very same text.
     assert metal.replace(pa._PROLOGUE["metal"], "") == cuda.replace(pa._PROLOGUE["cuda"], "")
     assert "{" in metal and "{{" not in metal  # format() consumed every placeholder
-
-
-@requires_gpu
-def test_dispatch_uses_the_kernel_for_decode():
-    q, k_pool, v_pool, meta = make_batch(5, [(1, 40), (1, 700)], 8, 4, 64, 16, mx.float32)
-    assert pa.supports(q, k_pool, meta, v_pool)
-    got = paged_attention(q, k_pool, v_pool, meta, 0.125, None)
-    np.testing.assert_allclose(np.array(got), reference_f32(q, k_pool, v_pool, meta, 0.125, None), atol=3e-4, rtol=2e-3)
 
 
 def test_cpu_dispatch_is_the_reference():

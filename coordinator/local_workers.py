@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from metal_cluster.coordinator.blas import openblas_env
 from metal_cluster.stage_worker.auth import TOKEN_ENV
+from metal_cluster.stage_worker.worker_env import PARENT_PID_ENV
 
 START_TIMEOUT_S = 120
 
@@ -55,7 +56,7 @@ def started(count: int, host: str = "127.0.0.1"):
             grpc_port, ring_port = ports[2 * k], ports[2 * k + 1]
             cmd = [sys.executable, "-m", "metal_cluster.coordinator", "worker", "--host", host,
                    "--port", str(grpc_port), "--ring-port", str(ring_port), "--no-advertise"]
-            env = {**openblas_env(), TOKEN_ENV: token}
+            env = {**openblas_env(), TOKEN_ENV: token, PARENT_PID_ENV: str(os.getpid())}
             procs.append(subprocess.Popen(cmd, env=env, start_new_session=True))
             addresses.append(f"{host}:{grpc_port}")
         _wait_ready(procs, addresses)

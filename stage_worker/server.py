@@ -21,6 +21,7 @@ from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.host import StageHost, StageStateError, VersionError, check_version
 from metal_cluster.stage_worker.request_table import StepError
 from metal_cluster.stage_worker.ring import RingError
+from metal_cluster.stage_worker.worker_env import NODE_ID_ENV, PARENT_PID_ENV
 
 log = logging.getLogger("metal_cluster.worker")
 
@@ -32,7 +33,6 @@ STATUS = {
     RingError: grpc.StatusCode.UNAVAILABLE,
 }
 MAX_MESSAGE = 256 * 1024 * 1024
-NODE_ID_ENV = "METAL_CLUSTER_NODE_ID"  # kept across a reset, so the worker keeps its name
 LOADED_LIMIT_S = 600  # assigned but never started: the coordinator died while other stages loaded
 
 
@@ -108,7 +108,12 @@ class PendingReset:
 def _watch_coordinator(host: StageHost, timeout_s: float, reset: PendingReset, stop: threading.Event):
     """A serving stage whose coordinator went quiet (it crashed or restarted) frees itself, so that a
     new coordinator finds it idle without anyone restarting this worker."""
+    parent = int(os.environ.get(PARENT_PID_ENV, 0))
     while not stop.wait(1.0):
+        if parent and os.getppid() != parent:  # its server is gone (even killed with -9): so is this worker
+            log.info("the server that started this worker is gone; stopping")
+            stop.set()
+            return
         limit = timeout_s if host.state == "serving" else max(timeout_s, LOADED_LIMIT_S)
         if host.state != "idle" and host.coordinator_silent_s() > limit:
             reset.set_reason(f"no word from the coordinator for {limit:.0f}s")

@@ -237,3 +237,12 @@ def test_rebalance_lets_running_requests_finish(llama_model, env):
     finally:
         os.killpg(worker.pid, signal.SIGKILL)
         worker.wait(10)
+
+
+def test_local_workers_go_with_their_server(llama_model, env):
+    """`serve -pp` killed with -9 (no cleanup of its own): its stage workers stop by themselves."""
+    with running_server(llama_model, *ARGS, "-pp", "2", log_path=env / "server.log"):
+        coordinator = cluster_state.local_coordinators()[0]
+        os.kill(coordinator["pid"], signal.SIGKILL)
+        wait_for(lambda: not any(cluster_state.pid_alive(p) for p in coordinator["worker_pids"]), 20,
+                 "local workers gone")

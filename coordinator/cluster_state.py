@@ -39,6 +39,7 @@ class StageStatus:
     kv_blocks_total: int = 0
     step_ms: float = 0.0
     ring_bytes_sent: int = 0
+    kv_dtype: str = ""
 
 
 @dataclass

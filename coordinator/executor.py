@@ -31,7 +31,7 @@ from metal_cluster.coordinator.executor_env import (
     STEP_TIMEOUT_ENV,
 )
 from metal_cluster.coordinator.monitor import Monitor
-from metal_cluster.coordinator.stages import LocalStage, Pipeline, RemoteStage, even_split
+from metal_cluster.coordinator.stages import LocalStage, Pipeline, RemoteStage, even_split, wire_dtype
 from metal_cluster.coordinator.step_translation import StepTranslator, to_runner_output
 from metal_cluster.stage_worker.memory import KVBudget, MemoryBudgetError
 from metal_cluster.stage_worker.model_source import kv_geometry
@@ -118,10 +118,13 @@ class ClusterExecutor(Executor):
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
         kv_heads, head_dim = kv_geometry(self.model_config.hf_config.to_dict())
-        spec = FullAttentionSpec(
-            block_size=self.cache_config.block_size, num_kv_heads=kv_heads, head_size=head_dim, dtype=torch.float32
-        )
-        return [{f"model.layers.{i}.self_attn.attn": spec for i in range(a, b)} for a, b in self.ranges]
+        specs = []
+        for (a, b), r in zip(self.ranges, self.assigned):
+            # The stage's own KV dtype, so that vLLM's page size, and with it its block count, is the real one.
+            spec = FullAttentionSpec(block_size=self.cache_config.block_size, num_kv_heads=kv_heads,
+                                     head_size=head_dim, dtype=getattr(torch, r.dtype or "float32"))
+            specs.append({f"model.layers.{i}.self_attn.attn": spec for i in range(a, b)})
+        return specs
 
     def get_supported_kv_cache_layouts(self):
         return [["LBNHC"]] * len(self.pipeline)
@@ -146,9 +149,13 @@ class ClusterExecutor(Executor):
     def initialize_from_config(self, kv_cache_configs) -> None:
         self.num_blocks = min(c.num_blocks for c in kv_cache_configs)
         block_size = self.cache_config.block_size
-        self.pipeline.start(self.num_blocks, replan.ring_hosts(self.pipeline.stages, self.healths), RING_TIMEOUT_S)
-        log.info("KV cache: %d blocks x %d tokens = %d tokens on every stage", self.num_blocks, block_size,
-                 self.num_blocks * block_size)
+        wire = wire_dtype([r.dtype for r in self.assigned])
+        self.pipeline.start(self.num_blocks, replan.ring_hosts(self.pipeline.stages, self.healths), RING_TIMEOUT_S,
+                            wire)
+        kv = ", ".join(sorted({f"{r.dtype}: {r.bytes_per_block / block_size / 1024:.1f} KiB per token"
+                               for r in self.assigned}))
+        log.info("KV cache: %d blocks x %d tokens = %d tokens on every stage (%s)%s", self.num_blocks, block_size,
+                 self.num_blocks * block_size, kv, f"; hidden states travel as {wire}" if len(self.pipeline) > 1 else "")
         run_dir = os.environ.get(RUN_DIR_ENV)
         self.monitor = Monitor(self.pipeline, self.ranges, self.model_name, Path(run_dir) if run_dir else None,
                                self.control, self.stage_timeout_s, on_lost=self._lose)

@@ -76,6 +76,7 @@ class Monitor:
             stage_status.kv_blocks_total = health.num_blocks
             stage_status.step_ms = 1000 * health.step_seconds
             stage_status.ring_bytes_sent = health.ring_bytes_sent
+            stage_status.kv_dtype = health.kv_dtype
             self._set_state(node, health.state, "")
         if self.path:
             write_json(self.path, self.snapshot().to_dict())

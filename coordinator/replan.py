@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from metal_cluster.coordinator import placement
-from metal_cluster.coordinator.stages import Pipeline, StageCallError
+from metal_cluster.coordinator.stages import Pipeline, StageCallError, wire_dtype
 from metal_cluster.proto import pb
 from metal_cluster.stage_worker.host import machine_id
 from metal_cluster.stage_worker.memory import KVBudget, MemoryBudgetError
@@ -135,7 +135,8 @@ def build(stages: list, healths: list, settings: Settings) -> Plan:
                 settings.max_model_len, settings.block_size, r.bytes_per_block)
             blocks.append(r.kv_budget_bytes // r.bytes_per_block)
         num_blocks = min(min(blocks), settings.num_blocks)
-        pipeline.start(num_blocks, ring_hosts(stages, healths), settings.ring_timeout_s)
+        pipeline.start(num_blocks, ring_hosts(stages, healths), settings.ring_timeout_s,
+                       wire_dtype([r.dtype for r in assigned]))
     except (StageCallError, MemoryBudgetError) as e:
         pipeline.close()
         raise ReplanError(str(e)) from None

@@ -150,11 +150,11 @@ class Pipeline:
         ]
         return list(self.pool.map(lambda sr: sr[0].assign(sr[1]), zip(self.stages, reqs)))
 
-    def start(self, num_blocks: int, ring_hosts: list[str], ring_timeout_s: float = 60) -> None:
+    def start(self, num_blocks: int, ring_hosts: list[str], ring_timeout_s: float = 60, wire: str = "") -> None:
         hostfile = json.dumps([[h] for h in ring_hosts])
         reqs = [
             pb.StartRequest(version=PROTO_VERSION, num_blocks=num_blocks, rank=k, world_size=len(self.stages),
-                            ring_hostfile=hostfile, ring_timeout_s=ring_timeout_s)
+                            ring_hostfile=hostfile, ring_timeout_s=ring_timeout_s, wire_dtype=wire)
             for k in range(len(self.stages))
         ]
         # Every rank must be joining at once: the ring connects only when all are there.
@@ -196,3 +196,18 @@ def even_split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:
         ranges.append((start, end))
         start = end
     return ranges
+
+
+def wire_dtype(stage_dtypes: list[str]) -> str:
+    """The one dtype hidden states travel in for a plan whose stages compute in `stage_dtypes`.
+
+    Stages that agree send their own. A mixed plan (a CPU stage, float32, beside GPU stages) sends
+    the GPU's half-width dtype: half the bytes per hop, and no precision the GPU stages keep anyway
+    is lost; bfloat16 before float16, whose range is narrower."""
+    names = set(d for d in stage_dtypes if d)
+    if len(names) <= 1:
+        return names.pop() if names else "float32"
+    for name in ("bfloat16", "float16"):
+        if name in names:
+            return name
+    return "float32"

@@ -95,11 +95,11 @@ def render(view: dict) -> Group:
         state = f"[red]{n['state']}[/red]" if n["state"] == "down" else n["state"]
         nodes.add_row(n["name"], n["address"], n["device"], memory, state, age, f"{n['rtt_ms']:.1f} ms")
     stages = Table(title="stages")
-    for col in ("stage", "node", "layers", "KV blocks used/total", "last step"):
+    for col in ("stage", "node", "layers", "KV blocks used/total", "KV dtype", "last step"):
         stages.add_column(col)
     for k, s in enumerate(view["stages"]):
         stages.add_row(str(k), s["node"], f"[{s['layers'][0]}, {s['layers'][1]})",
-                       f"{s['kv_blocks_used']}/{s['kv_blocks_total']}", f"{s['step_ms']:.0f} ms")
+                       f"{s['kv_blocks_used']}/{s['kv_blocks_total']}", s.get("kv_dtype") or "-", f"{s['step_ms']:.0f} ms")
     r = view["requests"]
     ttft = f"{view['mean_ttft_s']:.2f}s" if view["mean_ttft_s"] is not None else "-"
     summary = (f"requests: {r['running']} running, {r['waiting']} waiting   "

@@ -38,7 +38,7 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 _CONTROL, _USER_DEFINED = 3, 4
 
 # Every GGUF type MLX keeps quantized uses blocks of 32 values per scale/bias.
-_GROUP_SIZE = 32
+GROUP_SIZE = 32
 
 
 def read_gguf(path: str | Path) -> tuple[dict[str, mx.array], dict]:
@@ -365,7 +365,7 @@ def _dequantize(w: mx.array, scales: mx.array, biases: mx.array) -> mx.array:
     """
     bits = w.shape[-1] // scales.shape[-1]  # a group of 32 values packs into `bits` uint32 words
     return mx.dequantize(
-        w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=_GROUP_SIZE, bits=bits
+        w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=GROUP_SIZE, bits=bits
     )
 
 
@@ -373,7 +373,12 @@ def quantization_bits(tensors: dict[str, mx.array], gguf_name: str) -> int | Non
     """Bits per value of a quantized GGUF weight (4 for Q4_0/Q4_1, 8 for Q8_0), None if plain."""
     stem = gguf_name.removesuffix(".weight")
     scales = tensors.get(f"{stem}.scales")
-    return None if scales is None else tensors[gguf_name].shape[-1] // scales.shape[-1]
+    return None if scales is None else bits_of(tensors[gguf_name], scales)
+
+
+def bits_of(packed: mx.array, scales: mx.array) -> int:
+    """Bits per value of a packed (uint32) quantized weight: a group of 32 values takes `bits` words."""
+    return packed.shape[-1] // scales.shape[-1]
 
 
 def gguf_weights(

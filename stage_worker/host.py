@@ -15,6 +15,7 @@ import psutil
 
 from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.stage_worker import memory
+from metal_cluster.stage_worker.dtypes import dtype_name, from_name
 from metal_cluster.stage_worker.model_source import kv_geometry, resolve_model
 from metal_cluster.stage_worker.paged_kv import KVPool, bytes_per_block
 from metal_cluster.stage_worker.request_table import StepError
@@ -74,6 +75,7 @@ class StageHost:
                 kv_budget_bytes=budget.kv_bytes,
                 num_layers=self.shard.num_layers,
                 host_memory_bytes=budget.host_bytes,
+                dtype=dtype_name(self.dtype),
             )
 
     def start(self, req: pb.StartRequest) -> pb.StartResponse:
@@ -82,7 +84,8 @@ class StageHost:
             if self.state != "loaded":
                 raise StageStateError(f"start needs an assigned stage; this one is {self.state}")
             if req.world_size > 1:
-                self.ring = Ring.join(req.rank, req.world_size, req.ring_hostfile, req.ring_timeout_s or 60)
+                wire = from_name(req.wire_dtype) if req.wire_dtype else self.dtype
+                self.ring = Ring.join(req.rank, req.world_size, req.ring_hostfile, req.ring_timeout_s or 60, wire)
             self.runner = StageRunner(self.shard, self._allocate(req.num_blocks))
             self.state = "serving"
             self.touch()
@@ -110,6 +113,7 @@ class StageHost:
             step_seconds=self.last_step_s,
             ring_bytes_sent=self.ring.bytes_sent if self.ring else 0,
             coordinator_silent_s=self.coordinator_silent_s(),
+            kv_dtype=dtype_name(self.runner.pool.dtype) if self.runner else "",
         )
 
     # --- data ------------------------------------------------------------------------------------
@@ -135,7 +139,7 @@ class StageHost:
             batch = self.runner.prepare(req)
             hidden_in = None
             if batch.req_ids and not self.shard.is_first:
-                hidden_in = self.ring.recv_prev(int(batch.token_ids.shape[0]), self.hidden_size, mx.float32)
+                hidden_in = self.ring.recv_prev(int(batch.token_ids.shape[0]), self.hidden_size).astype(self.dtype)
             out = self.runner.run(req, batch, hidden_in)
             if out.hidden is not None:
                 self.ring.send_next(out.hidden)
@@ -145,17 +149,21 @@ class StageHost:
 
     # --- helpers ---------------------------------------------------------------------------------
     @property
+    def dtype(self) -> mx.Dtype:
+        return self.shard.dtype
+
+    @property
     def hidden_size(self) -> int:
         return self.shard.config["hidden_size"]
 
     @property
     def bytes_per_block(self) -> int:
         kv_heads, head_dim = kv_geometry(self.shard.config)
-        return bytes_per_block(len(self.shard.layers), self.block_size, kv_heads, head_dim)
+        return bytes_per_block(len(self.shard.layers), self.block_size, kv_heads, head_dim, self.dtype)
 
     def _allocate(self, num_blocks: int) -> KVPool:
         kv_heads, head_dim = kv_geometry(self.shard.config)
-        return KVPool.allocate(len(self.shard.layers), num_blocks, self.block_size, kv_heads, head_dim)
+        return KVPool.allocate(len(self.shard.layers), num_blocks, self.block_size, kv_heads, head_dim, self.dtype)
 
     def _measure_activation_peak(self, num_tokens: int) -> int:
         """One local prefill of num_tokens on a throw-away pool (no ring): activation bytes."""
@@ -168,8 +176,10 @@ class StageHost:
         step = pb.StepRequest(version=PROTO_VERSION)
         step.new_requests.append(pb.NewRequest(req_id="warm-up", prompt_token_ids=[0] * num_tokens, block_ids=range(1, blocks)))
         step.scheduled.append(pb.ScheduledTokens(req_id="warm-up", num_tokens=num_tokens))
-        hidden = None if self.shard.is_first else mx.zeros((num_tokens, self.hidden_size))
-        runner.step(step, hidden)
+        hidden = None if self.shard.is_first else mx.zeros((num_tokens, self.hidden_size), dtype=self.dtype)
+        out = runner.step(step, hidden)
+        if out.hidden is not None:
+            mx.eval(out.hidden)
         peak = max(0, mx.get_peak_memory() - base)
         del runner
         mx.clear_cache()

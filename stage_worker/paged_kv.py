@@ -30,6 +30,10 @@ class KVPool:
         return self.keys[0].shape[0] // self.block_size if self.keys else 0
 
     @property
+    def dtype(self) -> mx.Dtype:
+        return self.keys[0].dtype if self.keys else mx.float32
+
+    @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.keys + self.values)
 
@@ -55,6 +59,6 @@ class KVPool:
             pool[dst] = pool[src]
 
 
-def bytes_per_block(num_layers, block_size, kv_heads, head_dim, dtype=mx.float32) -> int:
+def bytes_per_block(num_layers, block_size, kv_heads, head_dim, dtype: mx.Dtype) -> int:
     """Memory one block id costs on a stage holding num_layers layers (K and V)."""
     return 2 * num_layers * block_size * kv_heads * head_dim * dtype.size

@@ -17,14 +17,15 @@ class RingError(RuntimeError):
 
 
 class Ring:
-    def __init__(self, group, rank: int, world_size: int):
+    def __init__(self, group, rank: int, world_size: int, wire_dtype=mx.float32):
         self.group = group
         self.rank = rank
         self.world_size = world_size
+        self.wire_dtype = wire_dtype  # one per plan: every stage sends and receives in it
         self.bytes_sent = 0
 
     @classmethod
-    def join(cls, rank: int, world_size: int, hostfile_json: str, timeout_s: float) -> "Ring":
+    def join(cls, rank: int, world_size: int, hostfile_json: str, timeout_s: float, wire_dtype=mx.float32) -> "Ring":
         hosts = json.loads(hostfile_json)
         if len(hosts) != world_size:
             raise RingError(f"ring hostfile lists {len(hosts)} ranks, expected {world_size}")
@@ -51,13 +52,13 @@ class Ring:
         group = result["group"]
         if group.size() != world_size or group.rank() != rank:
             raise RingError(f"ring has rank {group.rank()} of {group.size()}, expected {rank} of {world_size}")
-        return cls(group, rank, world_size)
+        return cls(group, rank, world_size, wire_dtype)
 
     def send_next(self, hidden: mx.array) -> None:
+        hidden = hidden.astype(self.wire_dtype)
         mx.eval(mx.distributed.send(hidden, self.rank + 1, group=self.group))
         self.bytes_sent += hidden.nbytes
 
-    def recv_prev(self, num_tokens: int, hidden_size: int, dtype) -> mx.array:
-        hidden = mx.distributed.recv((num_tokens, hidden_size), dtype, self.rank - 1, group=self.group)
-        mx.eval(hidden)
-        return hidden
+    def recv_prev(self, num_tokens: int, hidden_size: int) -> mx.array:
+        """Lazy: the stage builds its layers' graph on it while the bytes are still on their way."""
+        return mx.distributed.recv((num_tokens, hidden_size), self.wire_dtype, self.rank - 1, group=self.group)

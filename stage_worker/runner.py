@@ -19,7 +19,7 @@ from metal_cluster.stage_worker.shard import ModelShard
 @dataclass
 class StageOutput:
     step_id: int
-    hidden: mx.array | None = None  # [total_q, hidden] for the next stage (non-last stages)
+    hidden: mx.array | None = None  # [total_q, hidden] for the next stage (non-last stages), unevaluated
     sampled: dict[str, Sampled] = field(default_factory=dict)  # last stage only
 
 
@@ -45,11 +45,14 @@ class StageRunner:
         hidden = self._forward(batch, hidden_in)
         for req_id, n in zip(batch.req_ids, batch.num_tokens):
             self.table.advance(req_id, n)
-        mx.eval(hidden, self.pool.keys, self.pool.values)
+        # One sync per step, where its result leaves the device: every layer's KV write feeds its
+        # attention, so evaluating what the step hands on evaluates the pools too.
         if not self.shard.is_last:
-            out.hidden = hidden
+            out.hidden = hidden  # lazy: the ring send evaluates it
             return out
-        if batch.sample_req_ids:
+        if not batch.sample_req_ids:
+            mx.eval(hidden)  # a prompt chunk that samples nothing still writes its KV
+        else:
             logits = self.shard.logits(hidden[batch.logits_rows])
             rows = self._sample_rows(batch.sample_req_ids, _grammar_rows(step))
             if all(plain_greedy(r) for r in rows):

@@ -2,7 +2,8 @@
 stage and norm + lm_head on the last. Only those tensors are read from disk.
 
 mlx-lm builds the model with lazy weights; the layers this stage does not run are dropped before
-anything is evaluated, so their tensors are never read.
+anything is evaluated, so their tensors are never read. The shard is cast to its compute dtype
+(`dtypes.py`) before that first read: quantized weights stay quantized on a GPU.
 """
 
 from dataclasses import dataclass
@@ -11,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import _get_classes, load_model
 
+from metal_cluster.stage_worker import dtypes
 from metal_cluster.stage_worker.attention import wrap_attention
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.model_source import ModelSource
@@ -26,6 +28,7 @@ class ModelShard:
     start: int
     end: int
     num_layers: int  # in the whole model
+    dtype: mx.Dtype = mx.float32  # what this stage computes in: activations, KV pool, hidden states
 
     @property
     def is_first(self) -> bool:
@@ -64,11 +67,14 @@ def load_shard(source: ModelSource, start: int = 0, end: int | None = None) -> M
     end = num_layers if end is None else end
     if not 0 <= start < end <= num_layers:
         raise ModelLoadError(f"layer range [{start}, {end}) is outside the model's {num_layers} layers")
-    model = _load_gguf_model(source, config, start, end) if source.gguf else _load_folder_model(source)
+    gpu = dtypes.on_gpu()
+    model = _load_gguf_model(source, config, start, end, gpu) if source.gguf else _load_folder_model(source)
     _keep_only(model, start, end, num_layers, tied="lm_head" not in model)
+    dtype = dtypes.compute_dtype(dtypes.model_weights(model), gpu)
+    dtypes.settle(model, dtype)
     mx.eval(model.parameters())
     wrap_attention(model.model.layers, config.get("sliding_window"))
-    return ModelShard(model=model, config=config, start=start, end=end, num_layers=num_layers)
+    return ModelShard(model=model, config=config, start=start, end=end, num_layers=num_layers, dtype=dtype)
 
 
 def _load_folder_model(source: ModelSource) -> nn.Module:
@@ -79,7 +85,7 @@ def _load_folder_model(source: ModelSource) -> nn.Module:
     return model
 
 
-def _load_gguf_model(source: ModelSource, config: dict, start: int, end: int) -> nn.Module:
+def _load_gguf_model(source: ModelSource, config: dict, start: int, end: int, gpu: bool) -> nn.Module:
     from metal_cluster.stage_worker import gguf
 
     tensors, _ = gguf.read_gguf(source.gguf)
@@ -95,7 +101,22 @@ def _load_gguf_model(source: ModelSource, config: dict, start: int, end: int) ->
             return start == 0 or (last and tied)
         return last
 
-    weights = gguf.gguf_weights(tensors, config, keep=keep)
+    # A GPU keeps Q4_0/Q4_1/Q8_0 tensors as MLX affine triples; the CPU computes in float32.
+    weights = gguf.gguf_weights(tensors, config, keep=keep, dequantize=not gpu)
+    if not gpu:
+        model.eval()
+        model.load_weights(list(weights.items()), strict=False)
+        return model
+    quantized = {name.removesuffix(".scales"): weights[name.removesuffix(".scales") + ".weight"]
+                 for name in weights if name.endswith(".scales")}
+
+    def quantize_params(path, _module):
+        if path not in quantized:
+            return False
+        bits = gguf.bits_of(quantized[path], weights[f"{path}.scales"])
+        return {"group_size": gguf.GROUP_SIZE, "bits": bits}
+
+    nn.quantize(model, class_predicate=quantize_params)
     model.eval()
     model.load_weights(list(weights.items()), strict=False)
     return model

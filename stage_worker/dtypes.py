@@ -1,0 +1,62 @@
+"""One compute dtype per stage: the model's own on a GPU, float32 on MLX's CPU backend.
+
+On a GPU (Metal, CUDA) the model runs in the dtype it was trained and shipped in: bf16/fp16
+activations, KV pool and hidden states, quantized weights kept quantized (their scales' dtype is
+the compute dtype). On MLX's CPU backend bf16/fp16 are 5-40x slower than float32 and its
+quantized matmul is slower than float32 with OpenBLAS, so there everything is float32.
+"""
+
+from collections import Counter
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+from mlx_lm.utils import dequantize_model
+
+NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
+BY_NAME = {name: dtype for dtype, name in NAMES.items()}
+
+
+def on_gpu() -> bool:
+    return mx.default_device().type == mx.DeviceType.gpu
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    return NAMES[dtype]
+
+
+def from_name(name: str) -> mx.Dtype:
+    if name not in BY_NAME:
+        raise ValueError(f"unknown dtype {name!r} (one of {', '.join(BY_NAME)})")
+    return BY_NAME[name]
+
+
+def weights_dtype(weights: dict[str, mx.array]) -> mx.Dtype:
+    """The dtype a checkpoint computes in: its scales' if it is quantized, else the floating dtype
+    most of its values are stored in (norms kept in float32 beside bf16 matrices do not count)."""
+    scales = [v.dtype for k, v in weights.items() if k.endswith(".scales")]
+    if scales:
+        return Counter(scales).most_common(1)[0][0]
+    sizes = Counter()
+    for v in weights.values():
+        if v.dtype in NAMES:
+            sizes[v.dtype] += v.size
+    return sizes.most_common(1)[0][0] if sizes else mx.float32
+
+
+def compute_dtype(weights: dict[str, mx.array], gpu: bool | None = None) -> mx.Dtype:
+    gpu = on_gpu() if gpu is None else gpu
+    return weights_dtype(weights) if gpu else mx.float32
+
+
+def model_weights(model: nn.Module) -> dict[str, mx.array]:
+    return dict(tree_flatten(model.parameters()))
+
+
+def settle(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Cast the model to its stage's compute dtype, in place (lazily: nothing is read yet).
+
+    float32 (the CPU path) also dequantizes: scales go to float32 first, so the values are exact."""
+    model.set_dtype(dtype)
+    if dtype == mx.float32:
+        dequantize_model(model)

@@ -13,6 +13,7 @@ import time
 
 from vllm.outputs import RequestError
 from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
@@ -122,3 +123,8 @@ class ClusterScheduler(Scheduler):
                 block.ref_cnt += 1
         self.generation = view.generation
         self.deferred_since = None
+
+
+class AsyncClusterScheduler(ClusterScheduler, AsyncScheduler):
+    """ClusterScheduler over vLLM's AsyncScheduler: a running request's next token is scheduled
+    while the step that samples it still runs (the stage fills it in on the device)."""

@@ -31,7 +31,7 @@ from metal_cluster.coordinator.executor_env import (
     STEP_TIMEOUT_ENV,
 )
 from metal_cluster.coordinator.monitor import Monitor
-from metal_cluster.coordinator.stages import LocalStage, Pipeline, RemoteStage, even_split, wire_dtype
+from metal_cluster.coordinator.stages import LazyFuture, LocalStage, Pipeline, RemoteStage, even_split, wire_dtype
 from metal_cluster.coordinator.step_translation import StepTranslator, to_runner_output
 from metal_cluster.stage_worker.memory import KVBudget, MemoryBudgetError
 from metal_cluster.stage_worker.model_source import kv_geometry
@@ -91,7 +91,7 @@ class ClusterExecutor(Executor):
         for (a, b), r, stage in zip(self.ranges, self.assigned, self.pipeline.stages):
             log.info("stage %s: layers [%d, %d), %.2f GiB weights, %.2f GiB activations, KV budget %.2f GiB",
                      stage.name, a, b, r.weights_bytes / 2**30, r.activation_bytes / 2**30, r.kv_budget_bytes / 2**30)
-        self.translator = StepTranslator()
+        self.translator = StepTranslator(stage_keeps_tokens=len(self.pipeline) == 1)
         self.lock = threading.Lock()  # the translator, the pipeline and the steps in flight change together
         self.inflight: dict[Future, object] = {}  # answer -> its SchedulerOutput
         self.pending = None
@@ -194,7 +194,7 @@ class ClusterExecutor(Executor):
 
     def _sample(self, grammar_output) -> Future:
         so, self.pending = self.pending, None
-        out = Future()
+        out = LazyFuture()
         with self.lock:
             if self.control.state != "serving":
                 out.set_result(loss_output(so, self._failure(), self.control.outage_id))
@@ -217,7 +217,9 @@ class ClusterExecutor(Executor):
                 self.translator.record(response)
             out.set_result(to_runner_output(so, response))
 
-        pipeline.submit(step).add_done_callback(done)
+        answer = pipeline.submit(step)
+        out.run = answer.exception  # vLLM's wait for this step drives an in-process stage's answer
+        answer.add_done_callback(done)
         if not self.overlap:
             out.exception()  # wait: the next step goes out only after this one is back
         return out
@@ -311,7 +313,7 @@ class ClusterExecutor(Executor):
         with self.lock:
             self.pipeline, self.ranges, self.assigned = plan.pipeline, plan.ranges, plan.assigned
             self.addresses = [s.name for s in plan.pipeline.stages]
-            self.translator = StepTranslator()  # the new stages know no request yet
+            self.translator = StepTranslator(len(plan.pipeline) == 1)  # the new stages know no request yet
         probe, restart, load = (b - a for a, b in zip(clock, clock[1:]))
         stages = ", ".join(f"{s.name} [{a}, {b})" for s, (a, b) in zip(plan.pipeline.stages, plan.ranges))
         message = (f"re-planned in {clock[-1] - clock[0]:.1f}s: {len(plan.ranges)} stage(s) {stages}; "
@@ -352,4 +354,4 @@ class ClusterExecutor(Executor):
 
     @classmethod
     def supports_async_scheduling(cls) -> bool:
-        return False
+        return True  # with one stage; the platform turns it off for pipelines (vllm_platform.py)

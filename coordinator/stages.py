@@ -27,13 +27,48 @@ class StageCallError(RuntimeError):
         self.code = code
 
 
-def _completed(fn, *args) -> Future:
-    future = Future()
+class LazyFuture(Future):
+    """A Future whose last piece of work runs in the first thread that waits for it.
+
+    The in-process stage answers a step this way: its work is queued on the device at submit, and
+    reading the tokens back waits until vLLM asks for them, after it has submitted the next step."""
+
+    def __init__(self, run=None):
+        super().__init__()
+        self.run = run
+        self._run_lock = threading.Lock()
+
+    def _run(self) -> None:
+        with self._run_lock:
+            run, self.run = self.run, None
+        if run is not None:
+            run()
+
+    def result(self, timeout=None):
+        self._run()
+        return super().result(timeout)
+
+    def exception(self, timeout=None):
+        self._run()
+        return super().exception(timeout)
+
+
+def _local_step(host, req) -> Future:
+    out = LazyFuture()
     try:
-        future.set_result(fn(*args))
+        answer = host.launch(req)
     except Exception as e:
-        future.set_exception(StageCallError(f"local stage: {e}"))
-    return future
+        out.set_exception(StageCallError(f"local stage: {e}"))
+        return out
+
+    def run():
+        try:
+            out.set_result(answer())
+        except Exception as e:
+            out.set_exception(StageCallError(f"local stage: {e}"))
+
+    out.run = run
+    return out
 
 
 class LocalStage:
@@ -62,7 +97,7 @@ class LocalStage:
         return self.host.health()
 
     def submit(self, req) -> Future:
-        return _completed(self.host.step, req)
+        return _local_step(self.host, req)
 
     def close(self):
         pass
@@ -164,6 +199,8 @@ class Pipeline:
         """Every stage gets every step; the answer is the last stage's. The first error answers at
         once: the other stages may be blocked on the ring behind the one that failed."""
         futures = [s.submit(step) for s in self.stages]
+        if len(futures) == 1:
+            return futures[0]
         out = Future()
         remaining = [len(futures)]
         lock = threading.Lock()

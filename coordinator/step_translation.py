@@ -1,7 +1,8 @@
 """vLLM's SchedulerOutput -> our StepRequest, and our StepResponse -> vLLM's ModelRunnerOutput.
 
-vLLM's own runners remember the tokens they sampled; our stages may live on other hosts, so the
-coordinator remembers them and ships each one once, in the request's next step (new_token_ids).
+vLLM's own runners remember the tokens they sampled. A single stage does the same
+(`stage_keeps_tokens`); in a pipeline the sampling stage is not the embedding one, so the
+coordinator remembers the tokens and ships each one once, in the request's next step (new_token_ids).
 """
 
 from collections import defaultdict
@@ -29,12 +30,14 @@ def sampling_to_proto(sp) -> pb.SamplingParams:
 
 
 class StepTranslator:
-    def __init__(self):
+    def __init__(self, stage_keeps_tokens: bool = False):
         self.step_id = 0
+        # A single stage (first and last) keeps what it samples; stage 0 of a pipeline is told.
+        self.stage_keeps_tokens = stage_keeps_tokens
         self.unsent: dict[str, list[int]] = defaultdict(list)
 
     def to_step(self, so, grammar=None) -> pb.StepRequest:
-        step = pb.StepRequest(version=PROTO_VERSION, step_id=self.step_id)
+        step = pb.StepRequest(version=PROTO_VERSION, step_id=self.step_id, stage_keeps_tokens=self.stage_keeps_tokens)
         self.step_id += 1
         step.finished_req_ids.extend(so.finished_req_ids)
         for req_id in so.finished_req_ids:
@@ -74,6 +77,8 @@ class StepTranslator:
             yield msg
 
     def record(self, response: pb.StepResponse) -> None:
+        if self.stage_keeps_tokens:
+            return
         for s in response.sampled:
             self.unsent[s.req_id].append(s.token_id)
 

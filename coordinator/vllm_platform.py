@@ -8,9 +8,12 @@ import os
 
 from vllm.platforms.interface import Platform, PlatformEnum
 
+from metal_cluster.coordinator.executor_env import NO_OVERLAP_ENV
+
 ACTIVATE_ENV = "METAL_CLUSTER_VLLM"
 EXECUTOR = "metal_cluster.coordinator.executor.ClusterExecutor"
 SCHEDULER = "metal_cluster.coordinator.cluster_scheduler.ClusterScheduler"
+ASYNC_SCHEDULER = "metal_cluster.coordinator.cluster_scheduler.AsyncClusterScheduler"
 STUB_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 # Request fields the MLX sampler does not implement: refused with a 400 naming them, never ignored.
@@ -105,9 +108,15 @@ class MetalClusterPlatform(Platform):
         parallel = vllm_config.parallel_config
         if parallel.distributed_executor_backend in (None, "uni", "mp"):
             parallel.distributed_executor_backend = EXECUTOR
-        vllm_config.scheduler_config.async_scheduling = False
-        if vllm_config.scheduler_config.scheduler_cls is None:
-            vllm_config.scheduler_config.scheduler_cls = SCHEDULER  # holds requests while stages re-plan
+        scheduler = vllm_config.scheduler_config
+        # vLLM's async scheduling (the next step scheduled while this one runs; the in-process stage
+        # keeps its tokens on the device) exists in vLLM 0.33 only without pipeline parallelism, where
+        # vLLM's own batch queue already keeps one step in flight per stage.
+        if parallel.pipeline_parallel_size > 1 or os.environ.get(NO_OVERLAP_ENV) == "1":
+            scheduler.async_scheduling = False
+        if scheduler.scheduler_cls is None:
+            # Both hold requests while stages re-plan; the async one also schedules ahead.
+            scheduler.scheduler_cls = ASYNC_SCHEDULER if scheduler.async_scheduling else SCHEDULER
 
     @classmethod
     def validate_request(cls, processed_inputs, params) -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcluster.proto\x12\x10metal_cluster.v1\"\xe3\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\x9a\x01\n\nNewRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x05\x12\x32\n\x08sampling\x18\x05 \x01(\x0b\x32 .metal_cluster.v1.SamplingParams\"\x8e\x01\n\rCachedRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x0f\n\x07resumed\x18\x02 \x01(\x08\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x05\x12\x15\n\rnew_token_ids\x18\x05 \x03(\x05\x12\x15\n\rall_token_ids\x18\x06 \x03(\x05\"5\n\x0fScheduledTokens\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\xd2\x02\n\x0bStepRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x32\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x1c.metal_cluster.v1.NewRequest\x12\x38\n\x0f\x63\x61\x63hed_requests\x18\x04 \x03(\x0b\x32\x1f.metal_cluster.v1.CachedRequest\x12\x34\n\tscheduled\x18\x05 \x03(\x0b\x32!.metal_cluster.v1.ScheduledTokens\x12\x18\n\x10\x66inished_req_ids\x18\x06 \x03(\t\x12\x31\n\x0c\x62lock_copies\x18\x07 \x03(\x0b\x32\x1b.metal_cluster.v1.BlockCopy\x12\x17\n\x0fgrammar_req_ids\x18\x08 \x03(\t\x12\x17\n\x0fgrammar_bitmask\x18\t \x01(\x0c\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"{\n\x0cSampledToken\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12*\n\x03top\x18\x05 \x01(\x0b\x32\x1d.metal_cluster.v1.TopLogprobs\"P\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x07sampled\x18\x02 \x03(\x0b\x32\x1e.metal_cluster.v1.SampledToken\"\xa7\x01\n\rAssignRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x06 \x01(\x05\x12\x1a\n\x12memory_utilization\x18\x07 \x01(\x01\"\xb1\x01\n\x0e\x41ssignResponse\x12\x15\n\rweights_bytes\x18\x01 \x01(\x03\x12\x18\n\x10\x61\x63tivation_bytes\x18\x02 \x01(\x03\x12\x17\n\x0f\x62ytes_per_block\x18\x03 \x01(\x03\x12\x17\n\x0fkv_budget_bytes\x18\x04 \x01(\x03\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x19\n\x11host_memory_bytes\x18\x06 \x01(\x03\x12\r\n\x05\x64type\x18\x07 \x01(\t\"\x98\x01\n\x0cStartRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x15\n\rring_hostfile\x18\x05 \x01(\t\x12\x16\n\x0ering_timeout_s\x18\x06 \x01(\x01\x12\x12\n\nwire_dtype\x18\x07 \x01(\t\"\x0f\n\rStartResponse\"3\n\rHealthRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x11\n\theartbeat\x18\x02 \x01(\x08\"\xa5\x03\n\x0eHealthResponse\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x13\n\x0blayer_start\x18\x04 \x01(\x05\x12\x11\n\tlayer_end\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x14\n\x0cnum_requests\x18\x07 \x01(\x05\x12\x16\n\x0eresident_bytes\x18\x08 \x01(\x03\x12\r\n\x05steps\x18\t \x01(\x04\x12\x11\n\tring_port\x18\n \x01(\x05\x12\x0f\n\x07host_id\x18\x0b \x01(\t\x12\x16\n\x0ekv_blocks_used\x18\x0c \x01(\x05\x12\x19\n\x11host_memory_bytes\x18\r \x01(\x03\x12#\n\x1bhost_memory_available_bytes\x18\x0e \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x14\n\x0cstep_seconds\x18\x10 \x01(\x01\x12\x17\n\x0fring_bytes_sent\x18\x11 \x01(\x04\x12\x1c\n\x14\x63oordinator_silent_s\x18\x12 \x01(\x01\x12\x10\n\x08kv_dtype\x18\x13 \x01(\t\"\"\n\x0fShutdownRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\"\x12\n\x10ShutdownResponse\"/\n\x0cResetRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x0f\n\rResetResponse2\xcf\x03\n\x05Stage\x12K\n\x06\x41ssign\x12\x1f.metal_cluster.v1.AssignRequest\x1a .metal_cluster.v1.AssignResponse\x12H\n\x05Start\x12\x1e.metal_cluster.v1.StartRequest\x1a\x1f.metal_cluster.v1.StartResponse\x12\x45\n\x04Step\x12\x1d.metal_cluster.v1.StepRequest\x1a\x1e.metal_cluster.v1.StepResponse\x12K\n\x06Health\x12\x1f.metal_cluster.v1.HealthRequest\x1a .metal_cluster.v1.HealthResponse\x12Q\n\x08Shutdown\x12!.metal_cluster.v1.ShutdownRequest\x1a\".metal_cluster.v1.ShutdownResponse\x12H\n\x05Reset\x12\x1e.metal_cluster.v1.ResetRequest\x1a\x1f.metal_cluster.v1.ResetResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rcluster.proto\x12\x10metal_cluster.v1\"\xe3\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x02\x12\x15\n\x08logprobs\x18\t \x01(\x05H\x01\x88\x01\x01\x42\x07\n\x05_seedB\x0b\n\t_logprobs\"\x9a\x01\n\nNewRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x05\x12\x32\n\x08sampling\x18\x05 \x01(\x0b\x32 .metal_cluster.v1.SamplingParams\"\x8e\x01\n\rCachedRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x0f\n\x07resumed\x18\x02 \x01(\x08\x12\x11\n\tblock_ids\x18\x03 \x03(\x05\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x05\x12\x15\n\rnew_token_ids\x18\x05 \x03(\x05\x12\x15\n\rall_token_ids\x18\x06 \x03(\x05\"5\n\x0fScheduledTokens\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\x05\x12\x0b\n\x03\x64st\x18\x02 \x01(\x05\"\xee\x02\n\x0bStepRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0f\n\x07step_id\x18\x02 \x01(\x04\x12\x32\n\x0cnew_requests\x18\x03 \x03(\x0b\x32\x1c.metal_cluster.v1.NewRequest\x12\x38\n\x0f\x63\x61\x63hed_requests\x18\x04 \x03(\x0b\x32\x1f.metal_cluster.v1.CachedRequest\x12\x34\n\tscheduled\x18\x05 \x03(\x0b\x32!.metal_cluster.v1.ScheduledTokens\x12\x18\n\x10\x66inished_req_ids\x18\x06 \x03(\t\x12\x31\n\x0c\x62lock_copies\x18\x07 \x03(\x0b\x32\x1b.metal_cluster.v1.BlockCopy\x12\x17\n\x0fgrammar_req_ids\x18\x08 \x03(\t\x12\x17\n\x0fgrammar_bitmask\x18\t \x01(\x0c\x12\x1a\n\x12stage_keeps_tokens\x18\n \x01(\x08\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"{\n\x0cSampledToken\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12\x0c\n\x04rank\x18\x04 \x01(\x05\x12*\n\x03top\x18\x05 \x01(\x0b\x32\x1d.metal_cluster.v1.TopLogprobs\"P\n\x0cStepResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x07sampled\x18\x02 \x03(\x0b\x32\x1e.metal_cluster.v1.SampledToken\"\xa7\x01\n\rAssignRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0blayer_start\x18\x03 \x01(\x05\x12\x11\n\tlayer_end\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\x06 \x01(\x05\x12\x1a\n\x12memory_utilization\x18\x07 \x01(\x01\"\xb1\x01\n\x0e\x41ssignResponse\x12\x15\n\rweights_bytes\x18\x01 \x01(\x03\x12\x18\n\x10\x61\x63tivation_bytes\x18\x02 \x01(\x03\x12\x17\n\x0f\x62ytes_per_block\x18\x03 \x01(\x03\x12\x17\n\x0fkv_budget_bytes\x18\x04 \x01(\x03\x12\x12\n\nnum_layers\x18\x05 \x01(\x05\x12\x19\n\x11host_memory_bytes\x18\x06 \x01(\x03\x12\r\n\x05\x64type\x18\x07 \x01(\t\"\x98\x01\n\x0cStartRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x12\n\nnum_blocks\x18\x02 \x01(\x05\x12\x0c\n\x04rank\x18\x03 \x01(\x05\x12\x12\n\nworld_size\x18\x04 \x01(\x05\x12\x15\n\rring_hostfile\x18\x05 \x01(\t\x12\x16\n\x0ering_timeout_s\x18\x06 \x01(\x01\x12\x12\n\nwire_dtype\x18\x07 \x01(\t\"\x0f\n\rStartResponse\"3\n\rHealthRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x11\n\theartbeat\x18\x02 \x01(\x08\"\xa5\x03\n\x0eHealthResponse\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\r\n\x05state\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x13\n\x0blayer_start\x18\x04 \x01(\x05\x12\x11\n\tlayer_end\x18\x05 \x01(\x05\x12\x12\n\nnum_blocks\x18\x06 \x01(\x05\x12\x14\n\x0cnum_requests\x18\x07 \x01(\x05\x12\x16\n\x0eresident_bytes\x18\x08 \x01(\x03\x12\r\n\x05steps\x18\t \x01(\x04\x12\x11\n\tring_port\x18\n \x01(\x05\x12\x0f\n\x07host_id\x18\x0b \x01(\t\x12\x16\n\x0ekv_blocks_used\x18\x0c \x01(\x05\x12\x19\n\x11host_memory_bytes\x18\r \x01(\x03\x12#\n\x1bhost_memory_available_bytes\x18\x0e \x01(\x03\x12\x0e\n\x06\x64\x65vice\x18\x0f \x01(\t\x12\x14\n\x0cstep_seconds\x18\x10 \x01(\x01\x12\x17\n\x0fring_bytes_sent\x18\x11 \x01(\x04\x12\x1c\n\x14\x63oordinator_silent_s\x18\x12 \x01(\x01\x12\x10\n\x08kv_dtype\x18\x13 \x01(\t\"\"\n\x0fShutdownRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\"\x12\n\x10ShutdownResponse\"/\n\x0cResetRequest\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x0f\n\rResetResponse2\xcf\x03\n\x05Stage\x12K\n\x06\x41ssign\x12\x1f.metal_cluster.v1.AssignRequest\x1a .metal_cluster.v1.AssignResponse\x12H\n\x05Start\x12\x1e.metal_cluster.v1.StartRequest\x1a\x1f.metal_cluster.v1.StartResponse\x12\x45\n\x04Step\x12\x1d.metal_cluster.v1.StepRequest\x1a\x1e.metal_cluster.v1.StepResponse\x12K\n\x06Health\x12\x1f.metal_cluster.v1.HealthRequest\x1a .metal_cluster.v1.HealthResponse\x12Q\n\x08Shutdown\x12!.metal_cluster.v1.ShutdownRequest\x1a\".metal_cluster.v1.ShutdownResponse\x12H\n\x05Reset\x12\x1e.metal_cluster.v1.ResetRequest\x1a\x1f.metal_cluster.v1.ResetResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,33 +42,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BLOCKCOPY']._serialized_start=622
   _globals['_BLOCKCOPY']._serialized_end=659
   _globals['_STEPREQUEST']._serialized_start=662
-  _globals['_STEPREQUEST']._serialized_end=1000
-  _globals['_TOPLOGPROBS']._serialized_start=1002
-  _globals['_TOPLOGPROBS']._serialized_end=1052
-  _globals['_SAMPLEDTOKEN']._serialized_start=1054
-  _globals['_SAMPLEDTOKEN']._serialized_end=1177
-  _globals['_STEPRESPONSE']._serialized_start=1179
-  _globals['_STEPRESPONSE']._serialized_end=1259
-  _globals['_ASSIGNREQUEST']._serialized_start=1262
-  _globals['_ASSIGNREQUEST']._serialized_end=1429
-  _globals['_ASSIGNRESPONSE']._serialized_start=1432
-  _globals['_ASSIGNRESPONSE']._serialized_end=1609
-  _globals['_STARTREQUEST']._serialized_start=1612
-  _globals['_STARTREQUEST']._serialized_end=1764
-  _globals['_STARTRESPONSE']._serialized_start=1766
-  _globals['_STARTRESPONSE']._serialized_end=1781
-  _globals['_HEALTHREQUEST']._serialized_start=1783
-  _globals['_HEALTHREQUEST']._serialized_end=1834
-  _globals['_HEALTHRESPONSE']._serialized_start=1837
-  _globals['_HEALTHRESPONSE']._serialized_end=2258
-  _globals['_SHUTDOWNREQUEST']._serialized_start=2260
-  _globals['_SHUTDOWNREQUEST']._serialized_end=2294
-  _globals['_SHUTDOWNRESPONSE']._serialized_start=2296
-  _globals['_SHUTDOWNRESPONSE']._serialized_end=2314
-  _globals['_RESETREQUEST']._serialized_start=2316
-  _globals['_RESETREQUEST']._serialized_end=2363
-  _globals['_RESETRESPONSE']._serialized_start=2365
-  _globals['_RESETRESPONSE']._serialized_end=2380
-  _globals['_STAGE']._serialized_start=2383
-  _globals['_STAGE']._serialized_end=2846
+  _globals['_STEPREQUEST']._serialized_end=1028
+  _globals['_TOPLOGPROBS']._serialized_start=1030
+  _globals['_TOPLOGPROBS']._serialized_end=1080
+  _globals['_SAMPLEDTOKEN']._serialized_start=1082
+  _globals['_SAMPLEDTOKEN']._serialized_end=1205
+  _globals['_STEPRESPONSE']._serialized_start=1207
+  _globals['_STEPRESPONSE']._serialized_end=1287
+  _globals['_ASSIGNREQUEST']._serialized_start=1290
+  _globals['_ASSIGNREQUEST']._serialized_end=1457
+  _globals['_ASSIGNRESPONSE']._serialized_start=1460
+  _globals['_ASSIGNRESPONSE']._serialized_end=1637
+  _globals['_STARTREQUEST']._serialized_start=1640
+  _globals['_STARTREQUEST']._serialized_end=1792
+  _globals['_STARTRESPONSE']._serialized_start=1794
+  _globals['_STARTRESPONSE']._serialized_end=1809
+  _globals['_HEALTHREQUEST']._serialized_start=1811
+  _globals['_HEALTHREQUEST']._serialized_end=1862
+  _globals['_HEALTHRESPONSE']._serialized_start=1865
+  _globals['_HEALTHRESPONSE']._serialized_end=2286
+  _globals['_SHUTDOWNREQUEST']._serialized_start=2288
+  _globals['_SHUTDOWNREQUEST']._serialized_end=2322
+  _globals['_SHUTDOWNRESPONSE']._serialized_start=2324
+  _globals['_SHUTDOWNRESPONSE']._serialized_end=2342
+  _globals['_RESETREQUEST']._serialized_start=2344
+  _globals['_RESETREQUEST']._serialized_end=2391
+  _globals['_RESETRESPONSE']._serialized_start=2393
+  _globals['_RESETRESPONSE']._serialized_end=2408
+  _globals['_STAGE']._serialized_start=2411
+  _globals['_STAGE']._serialized_end=2874
 # @@protoc_insertion_point(module_scope)

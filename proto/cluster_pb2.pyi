@@ -75,7 +75,7 @@ class BlockCopy(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("version", "step_id", "new_requests", "cached_requests", "scheduled", "finished_req_ids", "block_copies", "grammar_req_ids", "grammar_bitmask")
+    __slots__ = ("version", "step_id", "new_requests", "cached_requests", "scheduled", "finished_req_ids", "block_copies", "grammar_req_ids", "grammar_bitmask", "stage_keeps_tokens")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class StepRequest(_message.Message):
     BLOCK_COPIES_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_BITMASK_FIELD_NUMBER: _ClassVar[int]
+    STAGE_KEEPS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     version: int
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
@@ -94,7 +95,8 @@ class StepRequest(_message.Message):
     block_copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     grammar_req_ids: _containers.RepeatedScalarFieldContainer[str]
     grammar_bitmask: bytes
-    def __init__(self, version: _Optional[int] = ..., step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., grammar_req_ids: _Optional[_Iterable[str]] = ..., grammar_bitmask: _Optional[bytes] = ...) -> None: ...
+    stage_keeps_tokens: bool
+    def __init__(self, version: _Optional[int] = ..., step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., grammar_req_ids: _Optional[_Iterable[str]] = ..., grammar_bitmask: _Optional[bytes] = ..., stage_keeps_tokens: _Optional[bool] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")

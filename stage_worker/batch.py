@@ -5,7 +5,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from metal_cluster.kernels import AttentionMetadata
-from metal_cluster.stage_worker.request_table import RequestTable, StepError
+from metal_cluster.stage_worker.request_table import PENDING, RequestTable, StepError
 
 
 @dataclass
@@ -19,11 +19,14 @@ class StepBatch:
     # Rows whose request reaches the end of its known tokens this step: only these get logits.
     logits_rows: mx.array
     sample_req_ids: list[str]
+    # (row in token_ids, request, history index) of tokens this stage sampled that are still on
+    # the device: token_ids holds PENDING there until the runner fills them in.
+    pending: list[tuple[int, str, int]]
 
 
 def build_batch(table: RequestTable, scheduled, block_size: int) -> StepBatch:
     req_ids, num_tokens, tokens, positions, slots = [], [], [], [], []
-    seq_lens, tables, logits_rows, sample_ids = [], [], [], []
+    seq_lens, tables, logits_rows, sample_ids, pending = [], [], [], [], []
     for sched in scheduled:
         if sched.num_tokens == 0:
             continue
@@ -42,7 +45,10 @@ def build_batch(table: RequestTable, scheduled, block_size: int) -> StepBatch:
             )
         req_ids.append(sched.req_id)
         num_tokens.append(n)
-        tokens.extend(state.token_ids[start:end])
+        scheduled = state.token_ids[start:end]
+        if PENDING in scheduled:
+            pending.extend((len(tokens) + k, sched.req_id, start + k) for k, t in enumerate(scheduled) if t == PENDING)
+        tokens.extend(scheduled)
         for pos in range(start, end):
             positions.append(pos)
             slots.append(state.block_ids[pos // block_size] * block_size + pos % block_size)
@@ -74,4 +80,5 @@ def build_batch(table: RequestTable, scheduled, block_size: int) -> StepBatch:
         attn=attn,
         logits_rows=mx.array(logits_rows, dtype=mx.int32),
         sample_req_ids=sample_ids,
+        pending=pending,
     )

@@ -9,6 +9,7 @@ import platform
 import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import mlx.core as mx
 import psutil
@@ -20,7 +21,7 @@ from metal_cluster.stage_worker.model_source import kv_geometry, resolve_model
 from metal_cluster.stage_worker.paged_kv import KVPool, bytes_per_block
 from metal_cluster.stage_worker.request_table import StepError
 from metal_cluster.stage_worker.ring import Ring
-from metal_cluster.stage_worker.runner import StageRunner, to_response
+from metal_cluster.stage_worker.runner import StageOutput, StageRunner, to_response
 from metal_cluster.stage_worker.shard import load_shard
 
 
@@ -118,6 +119,14 @@ class StageHost:
 
     # --- data ------------------------------------------------------------------------------------
     def step(self, req: pb.StepRequest, wait_s: float = 60.0) -> pb.StepResponse:
+        """Run one step and answer it."""
+        return self.launch(req, wait_s)()
+
+    def launch(self, req: pb.StepRequest, wait_s: float = 60.0) -> Callable[[], pb.StepResponse]:
+        """Queue one step's work on the device; the function returned waits for it and answers.
+
+        Between the two the caller may launch the next step (the in-process stage under vLLM's
+        async scheduling), so the device never waits for the host to build it."""
         check_version(req.version)
         if self.state != "serving":
             raise StageStateError(f"a step needs a started stage; this one is {self.state}")
@@ -128,13 +137,14 @@ class StageHost:
             if req.step_id < self.next_step:
                 raise StepError(f"step {req.step_id} already ran (the next step is {self.next_step})")
             try:
-                return self._run_step(req)
+                started = time.perf_counter()
+                out = self._launch(req)
             finally:
                 self.next_step += 1
                 self.turn.notify_all()
+        return lambda: self._answer(out, started)
 
-    def _run_step(self, req: pb.StepRequest) -> pb.StepResponse:
-        started = time.perf_counter()
+    def _launch(self, req: pb.StepRequest) -> StageOutput:
         with self.lock:
             batch = self.runner.prepare(req)
             hidden_in = None
@@ -143,9 +153,14 @@ class StageHost:
             out = self.runner.run(req, batch, hidden_in)
             if out.hidden is not None:
                 self.ring.send_next(out.hidden)
+            return out
+
+    def _answer(self, out: StageOutput, started: float) -> pb.StepResponse:
+        with self.lock:
+            response = to_response(out.resolve())
             self.steps += 1
             self.last_step_s = time.perf_counter() - started
-            return to_response(out)
+            return response
 
     # --- helpers ---------------------------------------------------------------------------------
     @property

@@ -11,6 +11,10 @@ import numpy as np
 from metal_cluster.proto import pb
 
 
+# A history entry whose token was sampled by this stage but is still on the device (see runner.py).
+PENDING = -1
+
+
 class StepError(ValueError):
     """A StepRequest this stage cannot apply; the message names the request and the problem."""
 
@@ -24,6 +28,8 @@ class RequestState:
     num_computed_tokens: int
     sampling: pb.SamplingParams = field(default_factory=pb.SamplingParams)
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
+    # history index -> (the step's device tokens, row): where a PENDING entry's token is
+    on_device: dict = field(default_factory=dict)
 
     @property
     def output_ids(self) -> list[int]:
@@ -85,6 +91,7 @@ class RequestTable:
             state.block_ids.extend(cached.block_ids)
         if cached.all_token_ids:  # the scheduler resynchronises the whole history
             state.token_ids = list(cached.all_token_ids)
+            state.on_device = {}
         state.token_ids.extend(cached.new_token_ids)
         state.num_computed_tokens = cached.num_computed_tokens
 

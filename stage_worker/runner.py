@@ -1,5 +1,9 @@
 """Run one step of one stage: apply the step to the request table, pack the batch, run this stage's
 layers over it with paged attention, and either hand the hidden states on or sample tokens.
+
+A stage that is both first and last may keep the tokens it samples (`stage_keeps_tokens`): greedy
+tokens then stay on the device (`DeviceTokens`) and the next step embeds them from there, so the
+host can build step n+1 while the device still runs step n; only token ids ever reach the host.
 """
 
 from dataclasses import dataclass, field
@@ -11,9 +15,28 @@ from metal_cluster.proto import pb
 from metal_cluster.stage_worker.attention import LayerContext
 from metal_cluster.stage_worker.batch import StepBatch, build_batch
 from metal_cluster.stage_worker.paged_kv import KVPool
-from metal_cluster.stage_worker.request_table import RequestTable, StepError
+from metal_cluster.stage_worker.request_table import PENDING, RequestTable, RequestState, StepError
 from metal_cluster.stage_worker.sampler import Sampled, SampleRow, plain_greedy, sample_rows
 from metal_cluster.stage_worker.shard import ModelShard
+
+
+@dataclass
+class DeviceTokens:
+    """One step's greedy tokens while they are still being computed."""
+
+    req_ids: list[str]
+    tokens: mx.array  # [len(req_ids)] int32, being evaluated
+    slots: list[tuple[list[int], int]]  # (a request's history, index of its PENDING entry)
+    values: list[int] | None = None
+
+    def resolve(self) -> list[int]:
+        """Wait for the tokens and write them into the histories (the first call only)."""
+        if self.values is None:
+            self.values = self.tokens.tolist()
+            for (history, i), token in zip(self.slots, self.values):
+                if i < len(history) and history[i] == PENDING:
+                    history[i] = token
+        return self.values
 
 
 @dataclass
@@ -21,6 +44,13 @@ class StageOutput:
     step_id: int
     hidden: mx.array | None = None  # [total_q, hidden] for the next stage (non-last stages), unevaluated
     sampled: dict[str, Sampled] = field(default_factory=dict)  # last stage only
+    on_device: DeviceTokens | None = None  # kept tokens not read back yet: `resolve` reads them
+
+    def resolve(self) -> "StageOutput":
+        if self.on_device is not None:
+            self.sampled = {r: Sampled(token_id=t) for r, t in zip(self.on_device.req_ids, self.on_device.resolve())}
+            self.on_device = None
+        return self
 
 
 class StageRunner:
@@ -30,40 +60,90 @@ class StageRunner:
         self.table = RequestTable(pool.num_blocks)
 
     def step(self, step: pb.StepRequest, hidden_in: mx.array | None = None) -> StageOutput:
-        return self.run(step, self.prepare(step), hidden_in)
+        """prepare + run, waited for."""
+        out = self.run(step, self.prepare(step), hidden_in).resolve()
+        if out.hidden is not None:
+            mx.eval(out.hidden)
+        return out
 
     def prepare(self, step: pb.StepRequest) -> StepBatch:
         """Bookkeeping and checks: everything a stage does before it needs hidden states."""
+        if step.stage_keeps_tokens and not (self.shard.is_first and self.shard.is_last):
+            raise StepError("only a stage that runs the whole model can keep its sampled tokens")
         self.table.apply(step)
         self.pool.copy_blocks([(c.src, c.dst) for c in step.block_copies])
         return build_batch(self.table, step.scheduled, self.pool.block_size)
 
     def run(self, step: pb.StepRequest, batch: StepBatch, hidden_in: mx.array | None = None) -> StageOutput:
+        """Queue the step's work on the device. What it hands on (hidden states or tokens) may still
+        be computing when this returns: the ring send, or `StageOutput.resolve`, waits for it."""
         out = StageOutput(step_id=step.step_id)
         if not batch.req_ids:
             return out
         hidden = self._forward(batch, hidden_in)
         for req_id, n in zip(batch.req_ids, batch.num_tokens):
             self.table.advance(req_id, n)
-        # One sync per step, where its result leaves the device: every layer's KV write feeds its
-        # attention, so evaluating what the step hands on evaluates the pools too.
+        # Every layer's KV write feeds its attention, so evaluating what the step hands on
+        # evaluates the pools too.
         if not self.shard.is_last:
-            out.hidden = hidden  # lazy: the ring send evaluates it
+            out.hidden = hidden
             return out
         if not batch.sample_req_ids:
-            mx.eval(hidden)  # a prompt chunk that samples nothing still writes its KV
-        else:
-            logits = self.shard.logits(hidden[batch.logits_rows])
-            rows = self._sample_rows(batch.sample_req_ids, _grammar_rows(step))
-            if all(plain_greedy(r) for r in rows):
-                # Copying [rows, vocab] logits to the host and scanning them in NumPy cost more than
-                # the attention of a whole decode step on a GPU.
-                tokens = mx.argmax(logits.astype(mx.float32), axis=-1).tolist()
-                out.sampled = {r: Sampled(token_id=t) for r, t in zip(batch.sample_req_ids, tokens)}
-            else:
-                logits = np.array(logits.astype(mx.float32))
-                out.sampled = dict(zip(batch.sample_req_ids, sample_rows(logits, rows)))
+            mx.async_eval(hidden)  # a prompt chunk that samples nothing still writes its KV
+            return out
+        logits = self.shard.logits(hidden[batch.logits_rows])
+        rows = self._sample_rows(batch.sample_req_ids, _grammar_rows(step))
+        if all(plain_greedy(r) for r in rows):
+            # Copying [rows, vocab] logits to the host and scanning them in NumPy cost more than
+            # the attention of a whole decode step on a GPU.
+            tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
+            mx.async_eval(tokens)
+            on_device = DeviceTokens(batch.sample_req_ids, tokens, [])
+            if step.stage_keeps_tokens:
+                for row, req_id in enumerate(batch.sample_req_ids):
+                    on_device.slots.append(self._keep(self.table[req_id], PENDING, (on_device, row)))
+            out.on_device = on_device
+            return out
+        self._read_back_kept()  # penalties and logprobs need the real histories
+        logits = np.array(logits.astype(mx.float32))
+        out.sampled = dict(zip(batch.sample_req_ids, sample_rows(logits, rows)))
+        if step.stage_keeps_tokens:
+            for req_id, s in out.sampled.items():
+                self._keep(self.table[req_id], s.token_id)
         return out
+
+    @staticmethod
+    def _keep(state: RequestState, token: int, where=None) -> tuple[list[int], int]:
+        state.token_ids.append(token)
+        index = len(state.token_ids) - 1
+        if where is not None:
+            state.on_device = {i: w for i, w in state.on_device.items() if w[0].values is None}
+            state.on_device[index] = where
+        return state.token_ids, index
+
+    def _read_back_kept(self) -> None:
+        for state in self.table.requests.values():
+            for on_device, _ in state.on_device.values():
+                on_device.resolve()
+            state.on_device.clear()
+
+    def _token_ids(self, batch: StepBatch) -> mx.array:
+        """The batch's token ids, with the kept tokens of earlier steps gathered on the device."""
+        if not batch.pending:
+            return batch.token_ids
+        by_source: dict[int, tuple[DeviceTokens, list[int], list[int]]] = {}
+        for position, req_id, index in batch.pending:
+            source = self.table[req_id].on_device.get(index)
+            if source is None:
+                raise StepError(f"request {req_id!r}: token {index} was never sampled by this stage")
+            on_device, row = source
+            entry = by_source.setdefault(id(on_device), (on_device, [], []))
+            entry[1].append(position)
+            entry[2].append(row)
+        token_ids = batch.token_ids
+        for on_device, positions, rows in by_source.values():
+            token_ids[mx.array(positions)] = on_device.tokens[mx.array(rows)]
+        return token_ids
 
     def _sample_rows(self, req_ids: list[str], grammar: dict[str, np.ndarray]) -> list[SampleRow]:
         rows = []
@@ -80,7 +160,7 @@ class StageRunner:
 
     def _forward(self, batch: StepBatch, hidden_in: mx.array | None) -> mx.array:
         if self.shard.is_first:
-            h = self.shard.embed(batch.token_ids)
+            h = self.shard.embed(self._token_ids(batch))
         else:
             if hidden_in is None or hidden_in.shape[0] != batch.token_ids.shape[0]:
                 got = None if hidden_in is None else hidden_in.shape[0]

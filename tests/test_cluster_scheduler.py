@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from metal_cluster.coordinator.cluster_control import CONTROL_KEY, ClusterControl
-from metal_cluster.coordinator.cluster_scheduler import loss_output
+from metal_cluster.coordinator.cluster_scheduler import ClusterScheduler, loss_output
 from metal_cluster.coordinator.vllm_platform import ACTIVATE_ENV
 
 NUM_BLOCKS = 40
@@ -23,7 +23,6 @@ def scheduler(llama_model, monkeypatch):
     monkeypatch.setenv(ACTIVATE_ENV, "1")
     monkeypatch.setattr(vllm.platforms, "_current_platform", None)
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
@@ -36,7 +35,8 @@ def scheduler(llama_model, monkeypatch):
     kv = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[],
                        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn.attn"], spec)])
     cls = config.scheduler_config.get_scheduler_cls()
-    assert cls.__name__ == "ClusterScheduler" and issubclass(cls, Scheduler)
+    # One stage: vLLM's async scheduling is on, so the platform picks the async variant.
+    assert cls.__name__ == "AsyncClusterScheduler" and issubclass(cls, ClusterScheduler)
     sched = cls(vllm_config=config, kv_cache_config=kv, structured_output_manager=StructuredOutputManager(config),
                 block_size=BLOCK, log_stats=False)
     return sched, control

@@ -74,6 +74,25 @@ def test_chunked_prefill_mixed_with_decodes(family):
         assert out[f"r{i}"] == mlx_lm_greedy(ref_model, prompts[i], 12)
 
 
+def test_tokens_kept_on_the_device_one_step_ahead(family):
+    """vLLM's async scheduling over one stage: each step is launched before the previous one's
+    tokens are read back, and embeds those tokens from the device."""
+    source, ref_model, prompts = family
+    runner = make_runner(source)
+
+    def launch(step):
+        out = runner.run(step, runner.prepare(step))
+        return lambda: {r: s.token_id for r, s in out.resolve().sampled.items()}
+
+    sched = SchedulerDouble(launch, NUM_BLOCKS, BLOCK_SIZE, chunk_size=7, ahead=True)
+    for i in (0, 1, 3, 5):
+        sched.add(f"r{i}", prompts[i], 12)
+    out = sched.run()
+    for i in (0, 1, 3, 5):
+        assert out[f"r{i}"] == mlx_lm_greedy(ref_model, prompts[i], 12), f"request {i}"
+    assert len(runner.table) == 0
+
+
 def test_shared_prefix_blocks(family):
     source, ref_model, prompts = family
     runner = make_runner(source)

@@ -9,6 +9,9 @@ The weights are random but scaled so that greedy decoding is well-conditioned: c
 between the top-1 and top-2 logits (so two correct implementations agree on every token,
 and float noise cannot flip a choice) and varied output (so a bug that repeats one token or
 drops the KV cache shows up as a different text).
+
+`dtype="bfloat16"` (or "float16") stores the same values rounded to that dtype, with config.json's
+torch_dtype saying so, as a real half-precision checkpoint does; the default is float32.
 """
 
 from __future__ import annotations
@@ -45,6 +48,8 @@ QWEN_PRETOKENIZE_REGEX = (
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 # Llama is untied, the Qwens tied, so both lm_head paths are exercised by default.
 _TIED = {"llama": False, "qwen2": True, "qwen3": True}
+# Checkpoint dtypes: config.json's torch_dtype name -> the MLX dtype the safetensors hold.
+DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 _ROPE_THETA = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0}
 
 # Deterministic training text for the tokenizer. Mixed prose, numbers, code and JSON so the
@@ -172,7 +177,7 @@ def build_tokenizer() -> Tokenizer:
 
 
 def _hf_config(family, *, num_layers, hidden_size, intermediate_size, num_heads, num_kv_heads,
-               head_dim, tie, sliding_window, vocab_size, bos_id, eos_id) -> dict:
+               head_dim, tie, sliding_window, vocab_size, bos_id, eos_id, dtype="float32") -> dict:
     cfg = {
         "architectures": [_ARCH[family]],
         "model_type": family,
@@ -193,7 +198,7 @@ def _hf_config(family, *, num_layers, hidden_size, intermediate_size, num_heads,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
         "tie_word_embeddings": tie,
-        "torch_dtype": "float32",
+        "torch_dtype": dtype,
         "attention_dropout": 0.0,
         "initializer_range": 0.02,
         "use_cache": True,
@@ -243,10 +248,15 @@ def _init_weights(model, seed: int) -> dict[str, mx.array]:
 def build_tiny_model(family: str, out_dir: Path, *, num_layers: int = 4, hidden_size: int = 64,
                      intermediate_size: int = 128, num_heads: int = 4, num_kv_heads: int = 2,
                      head_dim: int | None = None, tie_word_embeddings: bool | None = None,
-                     sliding_window: int | None = None, seed: int = 0) -> Path:
-    """Write a tiny random model of `family` into `out_dir` (created) and return it."""
+                     sliding_window: int | None = None, seed: int = 0, dtype: str = "float32") -> Path:
+    """Write a tiny random model of `family` into `out_dir` (created) and return it.
+
+    `dtype` is the checkpoint's dtype name (a key of DTYPES): the float32 draws rounded to it.
+    """
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {tuple(DTYPES)}")
     if head_dim is None:
         head_dim = hidden_size // num_heads
     if family == "qwen2" and head_dim != hidden_size // num_heads:
@@ -265,7 +275,7 @@ def build_tiny_model(family: str, out_dir: Path, *, num_layers: int = 4, hidden_
         family, num_layers=num_layers, hidden_size=hidden_size,
         intermediate_size=intermediate_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, tie=tie, sliding_window=sliding_window,
-        vocab_size=tok.get_vocab_size(with_added_tokens=True), bos_id=bos_id, eos_id=eos_id,
+        vocab_size=tok.get_vocab_size(with_added_tokens=True), bos_id=bos_id, eos_id=eos_id, dtype=dtype,
     )
 
     # Parameter names and shapes come from mlx-lm's own model class, so they are exactly what
@@ -273,8 +283,8 @@ def build_tiny_model(family: str, out_dir: Path, *, num_layers: int = 4, hidden_
     # mlx initialises lazily: building the module allocates nothing until evaluated.
     arch = importlib.import_module(f"mlx_lm.models.{family}")
     model = arch.Model(arch.ModelArgs.from_dict(config))
-    mx.save_safetensors(str(out_dir / "model.safetensors"), _init_weights(model, seed),
-                        metadata={"format": "mlx"})
+    weights = {name: w.astype(DTYPES[dtype]) for name, w in _init_weights(model, seed).items()}
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
 
     tok.save(str(out_dir / "tokenizer.json"))
     special = {"bos_token": "<|endoftext|>", "eos_token": "<|im_end|>",

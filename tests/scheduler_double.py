@@ -68,7 +68,11 @@ class SchedulerDouble:
             sampled = self.step_fn(step)
             self.complete(step, sampled)
             return step, sampled
-        launched = (step, self.step_fn(step)) if step.scheduled or step.finished_req_ids else None
+        launched = None
+        if step.scheduled or step.finished_req_ids:
+            launched = (step, self.step_fn(step))
+        else:
+            self.step_id -= 1  # never sent: a stage runs step ids strictly in order
         done, self.in_flight = self.in_flight, launched
         if done is None:
             return step, {}

@@ -1,0 +1,764 @@
+#!/usr/bin/env python3
+"""Serving on a GPU: this project's stages vs mlx-lm, same model folders, same run.
+
+Random-weight Qwen3-8B folders (bf16, and mlx-lm's 4-bit group-64 copy of it) are written once
+into --work-dir. Then, per format, one after the other in this process:
+
+- mlx-lm: `mlx_lm.utils.load(folder)`; `generate_step` at batch 1, `BatchGenerator` at batch 32;
+- ours, one stage: a `StageHost` in this process, assigned and started through the proto
+  messages exactly as `serve` does for one machine (the host picks dtypes, pool and budget), steps
+  from the tests' scheduler stand-in (tests/scheduler_double.py), one step ahead as under vLLM's
+  async scheduling, which `serve` uses with one stage (--sync: one step at a time);
+- ours, two stages: two local worker processes as `serve -pp 2` starts them, driven through
+  `RemoteStage` + `Pipeline` (gRPC for the steps, MLX's ring between the stages).
+
+Measured: decode tok/s at batch 1 (128-token prompt), decode tok/s at batch 32 over prompts of
+64..2048 tokens, time to first token of one 2048-token prompt, and the batch-1 bound: the copy
+bandwidth of this device (a bf16 `a * 1` over 2 GiB) over the weight bytes one decode step reads.
+
+On the GPU machine (MLX CUDA per shared/device-mlx-cuda.md; needs grpcio, protobuf, typer, psutil,
+tokenizers, numpy; the project as `metal_cluster` on PYTHONPATH):
+    python3 bench/gpu_serving.py --json out.json [--sections bandwidth,mlx-lm,ours,pipeline]
+        [--formats bf16,4bit] [--measures b1,batch,ttft] [--work-dir /tmp/gpu-serving] [--sync]
+Here, a smoke test of every path on a tiny shape (MLX's CPU backend, about 2 minutes):
+    .venv/bin/python bench/gpu_serving.py --small
+"""
+
+import argparse
+import contextlib
+import datetime
+import gc
+import importlib
+import json
+import os
+import platform
+import random
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import time
+import traceback
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+from scheduler_double import SchedulerDouble  # noqa: E402
+from tiny_models import build_tokenizer  # noqa: E402
+
+from metal_cluster.coordinator import blas  # noqa: E402
+from metal_cluster.proto import PROTO_VERSION, pb  # noqa: E402
+
+BLOCK_SIZE = 16
+FORMATS = ("bf16", "4bit")
+SECTIONS = ("bandwidth", "mlx-lm", "ours", "pipeline")
+MEASURES = ("b1", "batch", "ttft")
+PIPELINE_STAGES = 2
+
+QWEN3_8B = dict(
+    architectures=["Qwen3ForCausalLM"], model_type="qwen3", num_hidden_layers=36, hidden_size=4096,
+    intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="bfloat16",
+    max_position_embeddings=40960, hidden_act="silu", attention_bias=False, rope_scaling=None,
+)
+# Same family and code paths, small enough for MLX's CPU backend; head_dim stays a multiple of 32
+# and every matrix's input a multiple of 64, so the paged kernel and 4-bit group-64 both apply.
+SMALL = {**QWEN3_8B, "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 768,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096}
+
+
+@dataclass
+class Workload:
+    decode_prompt: int = 128  # batch-1 decode
+    warm: int = 4  # decode steps before timing (kernel compiles, allocator)
+    steps: int = 32  # timed decode steps
+    batch: int = 32
+    mixed_min: int = 64  # batch prompts spread evenly over [mixed_min, mixed_max]
+    mixed_max: int = 2048
+    ttft_prompt: int = 2048
+    ttft_repeats: int = 3  # after one untimed warm-up
+    max_batched_tokens: int = 2048  # what `serve` passes as --max-num-batched-tokens
+    copy_bytes: int = 2 << 30
+    copy_iters: int = 10
+
+
+# MLX's CPU quantized matmul runs at well under 1 GFLOP/s: short prompts keep mlx-lm's 4-bit side
+# to seconds. The batch's prompts still take several chunked-prefill steps on our side.
+SMALL_WORKLOAD = Workload(warm=2, steps=8, batch=4, mixed_min=32, mixed_max=128, ttft_prompt=128, ttft_repeats=1,
+                          max_batched_tokens=128, copy_bytes=64 << 20, copy_iters=5)
+
+
+def dtype_str(dtype) -> str:
+    return str(dtype).removeprefix("mlx.core.")
+
+
+def use_openblas() -> None:
+    """On MLX's CPU backend, the same BLAS for this process (mlx-lm and the in-process stage) as
+    `serve` gives its worker processes: re-executed once with OpenBLAS preloaded where there is one."""
+    lib = blas.find_openblas()
+    if lib and lib not in os.environ.get("LD_PRELOAD", ""):
+        os.execve(sys.executable, [sys.executable, *sys.argv], blas.openblas_env())
+
+
+def free() -> None:
+    """Give back what the last section held, so the next one starts with the device's memory."""
+    gc.collect()
+    mx.clear_cache()
+
+
+# --- model folders --------------------------------------------------------------------------
+
+def folder_names(work_dir: Path, small: bool) -> dict[str, Path]:
+    tag = "qwen3-small" if small else "qwen3-8b"
+    return {fmt: work_dir / f"{tag}-{fmt}" for fmt in FORMATS}
+
+
+def complete(folder: Path, config: dict) -> bool:
+    """A folder counts only when its marker says it was fully written for this very shape."""
+    marker = folder / ".bench-complete"
+    return marker.is_file() and json.loads(marker.read_text()) == config
+
+
+def ensure_folders(work_dir: Path, config: dict, formats, small: bool) -> dict[str, Path]:
+    folders = folder_names(work_dir, small)
+    missing = [f for f in formats if not complete(folders[f], config)]
+    if not missing:
+        print(f"model folders: reusing {', '.join(str(folders[f]) for f in formats)}", flush=True)
+        return folders
+    from mlx_lm.utils import quantize_model
+
+    started = time.perf_counter()
+    model = random_model(config)
+    if "bf16" in missing:
+        write_folder(folders["bf16"], model, config, small)
+    if "4bit" in missing:
+        # mlx-lm's own conversion: nn.quantize over every Linear/Embedding whose input is a multiple
+        # of the group, and the config gains "quantization" (and "quantization_config").
+        model, qconfig = quantize_model(model, dict(config), group_size=64, bits=4)
+        write_folder(folders["4bit"], model, qconfig, small)
+    del model
+    free()
+    print(f"model folders: wrote {', '.join(missing)} in {time.perf_counter() - started:.0f}s", flush=True)
+    return folders
+
+
+def random_model(config: dict):
+    """mlx-lm's model class with random bf16 weights drawn on the device (std 0.02, norms 1).
+
+    One key per tensor, derived from its name: the same weights whichever folders are missing."""
+    from mlx.utils import tree_flatten
+
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = arch.Model(arch.ModelArgs.from_dict(config))  # lazy: its own init is never evaluated
+    weights = []
+    for name, p in tree_flatten(model.parameters()):
+        if name.endswith("norm.weight"):
+            w = mx.ones(p.shape, dtype=mx.bfloat16)
+        else:
+            w = mx.random.normal(p.shape, dtype=mx.bfloat16, scale=0.02, key=mx.random.key(zlib.crc32(name.encode())))
+        mx.eval(w)  # one tensor at a time: no float32 copy of the whole model at once
+        weights.append((name, w))
+    model.load_weights(weights)  # strict: names and shapes are mlx-lm's
+    return model
+
+
+def write_folder(folder: Path, model, config: dict, small: bool) -> None:
+    """What a served folder holds (see stage_worker/model_source.py): config.json, a tokenizer and
+    model*.safetensors with their index, as mlx_lm.utils.save_model shards them."""
+    from mlx_lm import utils as mlx_lm_utils
+
+    if folder.exists():
+        shutil.rmtree(folder)
+    with small_shards(mlx_lm_utils, small):
+        mlx_lm_utils.save_model(folder, model)
+    mlx_lm_utils.save_config(dict(config), folder / "config.json")
+    # The stage never tokenizes; mlx_lm.load wants a tokenizer it can build (the vocab mismatch is fine).
+    tok = build_tokenizer()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "bos_token": "<|endoftext|>"}))
+    # Written last, keyed by the shape before quantization: see `complete`.
+    base = {k: v for k, v in config.items() if k not in ("quantization", "quantization_config")}
+    (folder / ".bench-complete").write_text(json.dumps(base))
+
+
+@contextlib.contextmanager
+def small_shards(mlx_lm_utils, small: bool):
+    """save_model shards at 5 GB, so the tiny model would be one file: split it in about three, so that
+    --small loads a sharded folder (model-0000x-of-0000y + index) like the real one."""
+    if not small:
+        yield
+        return
+    original = mlx_lm_utils.make_shards
+
+    def three(weights):
+        limit = sum(v.nbytes for v in weights.values()) // 3 + 1
+        shards, size = [], 0
+        for k, v in weights.items():
+            if not shards or size + v.nbytes > limit:
+                shards.append({})
+                size = 0
+            shards[-1][k] = v
+            size += v.nbytes
+        return shards
+
+    mlx_lm_utils.make_shards = three
+    try:
+        yield
+    finally:
+        mlx_lm_utils.make_shards = original
+
+
+def tensor_bytes(folder: Path) -> dict[str, int]:
+    """Bytes of every tensor in the folder's safetensors, from their headers (nothing is loaded)."""
+    sizes = {}
+    for path in sorted(folder.glob("model*.safetensors")):
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        for name, meta in header.items():
+            if name != "__metadata__":
+                sizes[name] = meta["data_offsets"][1] - meta["data_offsets"][0]
+    return sizes
+
+
+def weight_bytes(folder: Path, config: dict) -> dict:
+    """All weight bytes, and those one decode step reads: everything but the input embedding's
+    table when the head is untied (a step reads one row of it per token). KV reads at these short
+    contexts are under 1 % of the weights and left out."""
+    sizes = tensor_bytes(folder)
+    total = sum(sizes.values())
+    embed = sum(v for k, v in sizes.items() if k.startswith("model.embed_tokens."))
+    per_token = total - embed if not config.get("tie_word_embeddings") else total
+    return dict(weight_bytes=total, weight_bytes_per_token=per_token, shards=len(list(folder.glob("model*.safetensors"))))
+
+
+# --- workload ---------------------------------------------------------------------------------
+
+def prompt(length: int, vocab: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(100, vocab) for _ in range(length)]
+
+
+def mixed_lengths(wl: Workload) -> list[int]:
+    n = wl.batch
+    return [round(wl.mixed_min + (wl.mixed_max - wl.mixed_min) * i / max(1, n - 1)) for i in range(n)]
+
+
+def batch_prompts(wl: Workload, vocab: int) -> list[list[int]]:
+    return [prompt(n, vocab, seed=1000 + i) for i, n in enumerate(mixed_lengths(wl))]
+
+
+def blocks_needed(wl: Workload) -> int:
+    """KV blocks the largest measurement holds at once (the batch: its prompts, the tokens decoded
+    while the later prompts are still prefilling, warm-up and timed steps), plus the null block."""
+    lengths = mixed_lengths(wl)
+    prefill_steps = -(-sum(lengths) // wl.max_batched_tokens) + len(lengths)
+    gen = prefill_steps + wl.warm + wl.steps + 2
+    batch = sum(-(-(n + gen) // BLOCK_SIZE) for n in lengths)
+    single = -(-max(wl.ttft_prompt, wl.decode_prompt + wl.warm + wl.steps + 2) // BLOCK_SIZE)
+    return 1 + max(batch, single) + 8
+
+
+# --- copy bandwidth ---------------------------------------------------------------------------
+
+def copy_bandwidth(nbytes: int, iters: int) -> dict:
+    """(bytes read + bytes written) / time of a bf16 `a * 1`, each evaluated on its own."""
+    a = mx.random.normal((nbytes // 2,), dtype=mx.bfloat16)
+    mx.eval(a)
+    for _ in range(3):
+        mx.eval(a * 1)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        mx.eval(a * 1)
+        times.append(time.perf_counter() - t0)
+    moved = 2 * a.nbytes
+    del a
+    free()
+    return dict(array_bytes=nbytes, iters=iters, median_bytes_per_s=moved / statistics.median(times),
+                best_bytes_per_s=moved / min(times))
+
+
+# --- mlx-lm -----------------------------------------------------------------------------------
+
+def mlx_lm_side(folder: Path, config: dict, wl: Workload, measures) -> dict:
+    from mlx_lm.utils import load
+
+    t0 = time.perf_counter()
+    model, _ = load(str(folder))
+    out = dict(load_s=time.perf_counter() - t0)
+    vocab = config["vocab_size"]
+    try:
+        if "b1" in measures:
+            out["decode_b1"] = mlx_lm_batch1(model, prompt(wl.decode_prompt, vocab, 1), wl.warm, wl.steps)
+            print(f"  mlx-lm decode b1: {out['decode_b1']['tok_s']:.1f} tok/s", flush=True)
+        if "batch" in measures:
+            out["decode_batch"] = mlx_lm_batched(model, batch_prompts(wl, vocab), wl.warm, wl.steps)
+            print(f"  mlx-lm decode batch {wl.batch}: {out['decode_batch']['tok_s']:.1f} tok/s", flush=True)
+        if "ttft" in measures:
+            out["ttft"] = mlx_lm_ttft(model, prompt(wl.ttft_prompt, vocab, 2), wl.ttft_repeats)
+            print(f"  mlx-lm TTFT {wl.ttft_prompt}: {1000 * out['ttft']['seconds']:.1f} ms", flush=True)
+    finally:
+        del model
+        free()
+    return out
+
+
+def mlx_lm_batch1(model, tokens: list[int], warm: int, steps: int) -> dict:
+    from mlx_lm.generate import generate_step
+
+    t0 = None
+    for i, _ in enumerate(generate_step(mx.array(tokens), model, max_tokens=warm + steps)):
+        if i == warm - 1:
+            t0 = time.perf_counter()
+    dt = time.perf_counter() - t0
+    return dict(tok_s=steps / dt, tokens=steps, seconds=dt)
+
+
+def mlx_lm_batched(model, prompts: list[list[int]], warm: int, steps: int) -> dict:
+    """BatchGenerator as mlx-lm ships it (prefill batches of 8, right-padded), all rows decoding
+    together before timing starts; no row may finish inside the timed steps."""
+    from mlx_lm.generate import BatchGenerator
+
+    n = len(prompts)
+    gen = BatchGenerator(model, max_tokens=warm + steps + 4 * n + 16, completion_batch_size=n)
+    try:
+        gen.insert(prompts)
+        full = 0
+        while full < warm:  # prefills (with the first rows already decoding), then full-batch steps
+            if len(gen.next_generated()) == n:
+                full += 1
+        t0 = time.perf_counter()
+        tokens = sum(len(gen.next_generated()) for _ in range(steps))
+        dt = time.perf_counter() - t0
+    finally:
+        gen.close()
+    return dict(tok_s=tokens / dt, tokens=tokens, seconds=dt, prompt_lengths=[len(p) for p in prompts])
+
+
+def mlx_lm_ttft(model, tokens: list[int], repeats: int) -> dict:
+    """From the call to the first token in hand: the prompt's prefill (2048-token chunks) and the
+    first sample; the first run is an untimed warm-up."""
+    from mlx_lm.generate import generate_step, generation_stream
+
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        gen = generate_step(mx.array(tokens), model, max_tokens=1)
+        next(gen)
+        dt = time.perf_counter() - t0
+        gen.close()
+        mx.synchronize(generation_stream)  # the step it queued behind the first token, outside the timing
+        if i:
+            times.append(dt)
+    return dict(seconds=statistics.median(times), all_s=times)
+
+
+# --- ours: steps from the scheduler stand-in ---------------------------------------------------
+
+class Driver:
+    """The tests' scheduler stand-in feeding one stage or a pipeline, with vLLM's chunked prefill
+    (`max_batched_tokens` per step).
+
+    `send(step)` queues a step and returns the function that waits for its StepResponse. With
+    `ahead` the stand-in runs like vLLM's async scheduler (what `serve` does with one stage): each
+    step is launched before the previous one's tokens are read back, and the stage keeps its tokens.
+    """
+
+    def __init__(self, send, num_blocks: int, max_batched_tokens: int, ahead: bool):
+        self.next_id = 0
+
+        def step_fn(step):
+            # A stage runs step ids strictly in order, and the stand-in's ahead mode skips the ids of
+            # the empty steps it does not send: number what is actually sent.
+            step.step_id = self.next_id
+            self.next_id += 1
+            answer = send(step)
+
+            def tokens():
+                return {s.req_id: s.token_id for s in answer().sampled}
+
+            return tokens if ahead else tokens()
+
+        self.sched = SchedulerDouble(step_fn, num_blocks, BLOCK_SIZE, max_batch_tokens=max_batched_tokens, ahead=ahead)
+        self.count = 0
+
+    def add(self, prompts: list[list[int]], max_tokens: int) -> list[str]:
+        ids = []
+        for p in prompts:
+            ids.append(f"r{self.count}")
+            self.sched.add(ids[-1], p, max_tokens)
+            self.count += 1
+        return ids
+
+    def step(self) -> dict:
+        """One call of the stand-in: the tokens of the step read back by it (ahead: the previous one)."""
+        return self.sched.step()[1]
+
+    def finish_all(self) -> None:
+        """End every running request with the tokens it has (and the one in flight), and tell the
+        stage, so the next measurement starts with an empty table, all blocks free, nothing in flight."""
+        sched = self.sched
+        for req in sched.reqs.values():
+            if req.done:
+                continue
+            req.max_tokens = len(req.output) + req.placeholders
+            if not req.placeholders:  # no token in flight would end it: end it here
+                sched.finished.append(req.req_id)
+                sched.free.extend(req.block_ids)
+        while sched.in_flight is not None or sched.finished:
+            self.step()
+
+
+def ours_decode(driver: Driver, prompts: list[list[int]], warm: int, steps: int) -> dict:
+    ids = driver.add(prompts, max_tokens=1 << 20)
+    reqs = [driver.sched.reqs[i] for i in ids]
+    prefill_steps = 0
+    while not all(r.output for r in reqs):  # prompt chunks (early requests decode alongside)
+        driver.step()
+        prefill_steps += 1
+    for _ in range(warm):
+        driver.step()
+    t0 = time.perf_counter()
+    tokens = sum(len(driver.step()) for _ in range(steps))
+    dt = time.perf_counter() - t0
+    driver.finish_all()
+    return dict(tok_s=tokens / dt, tokens=tokens, seconds=dt, prefill_steps=prefill_steps,
+                prompt_lengths=[len(p) for p in prompts])
+
+
+def ours_ttft(driver: Driver, tokens: list[int], repeats: int) -> dict:
+    """From scheduling the prompt to its first token in hand: one step schedules the whole prompt
+    (max_batched_tokens >= its length) and samples; ahead, the next call reads the token back.
+    The first run is an untimed warm-up."""
+    times = []
+    for i in range(repeats + 1):
+        (req_id,) = driver.add([tokens], max_tokens=1)
+        req = driver.sched.reqs[req_id]
+        t0 = time.perf_counter()
+        while not req.output:
+            driver.step()
+        dt = time.perf_counter() - t0
+        driver.finish_all()  # tells the stage the request finished (untimed)
+        if i:
+            times.append(dt)
+    return dict(seconds=statistics.median(times), all_s=times)
+
+
+def run_measures(driver: Driver, config: dict, wl: Workload, measures, label: str) -> dict:
+    out = {}
+    vocab = config["vocab_size"]
+    if "b1" in measures:
+        out["decode_b1"] = ours_decode(driver, [prompt(wl.decode_prompt, vocab, 1)], wl.warm, wl.steps)
+        print(f"  {label} decode b1: {out['decode_b1']['tok_s']:.1f} tok/s", flush=True)
+    if "batch" in measures:
+        out["decode_batch"] = ours_decode(driver, batch_prompts(wl, vocab), wl.warm, wl.steps)
+        print(f"  {label} decode batch {wl.batch}: {out['decode_batch']['tok_s']:.1f} tok/s", flush=True)
+    if "ttft" in measures:
+        # Nothing else runs then, so the stand-in schedules the whole prompt in its first step.
+        assert wl.max_batched_tokens >= wl.ttft_prompt, "the TTFT prompt must fit one step"
+        out["ttft"] = ours_ttft(driver, prompt(wl.ttft_prompt, vocab, 2), wl.ttft_repeats)
+        print(f"  {label} TTFT {wl.ttft_prompt}: {1000 * out['ttft']['seconds']:.1f} ms", flush=True)
+    return out
+
+
+def pick_blocks(assigned: list, wl: Workload) -> dict:
+    """The block count `serve` would start with (the smallest stage budget), capped at what this
+    benchmark uses: the pool's size does not change a step's work, only its allocation time."""
+    budget = min(r.kv_budget_bytes // r.bytes_per_block for r in assigned)
+    need = blocks_needed(wl)
+    if budget < need:
+        raise RuntimeError(f"the stages' KV budget holds {budget} blocks, this benchmark needs {need}: "
+                           "raise --memory-utilization")
+    return dict(num_blocks=need, budget_blocks=budget)
+
+
+def assign_info(r) -> dict:
+    return dict(weights_bytes=r.weights_bytes, activation_bytes=r.activation_bytes, bytes_per_block=r.bytes_per_block,
+                kv_budget_bytes=r.kv_budget_bytes, host_memory_bytes=r.host_memory_bytes,
+                dtype=getattr(r, "dtype", ""))
+
+
+def ours_in_process(folder: Path, config: dict, wl: Workload, measures, utilization: float, ahead: bool) -> dict:
+    """One stage in this process, the way `serve` runs a single machine (executor -> LocalStage ->
+    StageHost): assign, start, then steps, by default one ahead as under vLLM's async scheduling
+    (LocalStage.submit -> StageHost.launch, answered when the engine asks for the tokens)."""
+    from metal_cluster.kernels import gpu_backend
+    from metal_cluster.stage_worker.host import StageHost
+
+    layers = config["num_hidden_layers"]
+    host = StageHost()
+    t0 = time.perf_counter()
+    assigned = host.assign(pb.AssignRequest(
+        version=PROTO_VERSION, model=str(folder), layer_start=0, layer_end=layers, block_size=BLOCK_SIZE,
+        max_num_batched_tokens=wl.max_batched_tokens, memory_utilization=utilization))
+    out = dict(assign_s=time.perf_counter() - t0, assign=assign_info(assigned), **pick_blocks([assigned], wl))
+    host.start(pb.StartRequest(version=PROTO_VERSION, num_blocks=out["num_blocks"], rank=0, world_size=1))
+    pool = host.runner.pool
+    activation = host.shard.embed(mx.array([0])).dtype
+    out.update(
+        pool_dtype=dtype_str(pool.keys[0].dtype), activation_dtype=dtype_str(activation), pool_bytes=pool.nbytes,
+        # kernels/gpu.py `supports`: the paged kernel takes only a pool of the queries' dtype.
+        attention=("kernel" if gpu_backend() and pool.keys[0].dtype == activation else "reference"),
+        # 1.0 when the block size the budget was divided by is the pool's real one.
+        bytes_per_block_vs_pool=assigned.bytes_per_block * pool.num_blocks / pool.nbytes,
+    )
+    print(f"  ours: pool {out['pool_dtype']} x {out['num_blocks']} blocks (budget {out['budget_blocks']}), "
+          f"activations {out['activation_dtype']}, attention {out['attention']}", flush=True)
+    out["ahead"] = ahead
+    driver = Driver(host.launch, out["num_blocks"], wl.max_batched_tokens, ahead)
+    try:
+        out.update(run_measures(driver, config, wl, measures, "ours"))
+    finally:
+        del driver, host, pool
+        free()
+    return out
+
+
+def ours_pipeline(folder: Path, config: dict, wl: Workload, measures, utilization: float, step_timeout: float) -> dict:
+    """Two stage-worker processes on this machine, as `serve -pp 2` starts and plans them
+    (coordinator/executor.py): health, per-host memory shares, even layer split, assign, the smallest
+    budget, start with the ring hosts from the health answers; then every step through the Pipeline."""
+    from metal_cluster.coordinator import local_workers, replan
+    from metal_cluster.coordinator import stages as stages_mod
+
+    ranges = stages_mod.even_split(config["num_hidden_layers"], PIPELINE_STAGES)
+    out = dict(stages=PIPELINE_STAGES, ranges=ranges)
+    with local_workers.started(PIPELINE_STAGES) as workers:
+        # A bounded step timeout: a stage stuck on the ring fails this section instead of the run.
+        pipeline = stages_mod.Pipeline([stages_mod.RemoteStage(w.address, step_timeout_s=step_timeout) for w in workers])
+        try:
+            healths = [s.health() for s in pipeline.stages]
+            shares = replan.shares_per_host([h.host_id for h in healths], utilization)
+            t0 = time.perf_counter()
+            assigned = pipeline.assign(str(folder), ranges, BLOCK_SIZE, wl.max_batched_tokens, shares)
+            out.update(assign_s=time.perf_counter() - t0, assign=[assign_info(r) for r in assigned],
+                       **pick_blocks(assigned, wl))
+            start_args = [out["num_blocks"], replan.ring_hosts(pipeline.stages, healths), 60]
+            if hasattr(stages_mod, "wire_dtype"):  # hidden states' dtype on the ring, as the executor picks it
+                out["wire_dtype"] = stages_mod.wire_dtype([getattr(r, "dtype", "") for r in assigned])
+                start_args.append(out["wire_dtype"])
+            pipeline.start(*start_args)
+            out["kv_dtypes"] = [getattr(s.health(), "kv_dtype", "") for s in pipeline.stages]
+            print(f"  pipeline: layers {ranges}, {out['num_blocks']} blocks (budget {out['budget_blocks']}), "
+                  f"KV {out['kv_dtypes']}, wire {out.get('wire_dtype', '?')}", flush=True)
+            # vLLM runs a pipeline without async scheduling (vllm_platform.py): each step answered
+            # before the next; `serve` may keep one step per stage in flight over other requests,
+            # which one stream of steps from the stand-in does not do.
+            driver = Driver(lambda step: pipeline.submit(step).result, out["num_blocks"], wl.max_batched_tokens,
+                            ahead=False)
+            out.update(run_measures(driver, config, wl, measures, f"pipeline x{PIPELINE_STAGES}"))
+        finally:
+            pipeline.close()
+    return out
+
+
+# --- report -----------------------------------------------------------------------------------
+
+def device_info() -> dict:
+    info = dict(mlx_device=str(mx.default_device()), machine=platform.machine())
+    with contextlib.suppress(Exception):
+        info.update({f"mlx_{k}": v for k, v in mx.device_info().items() if isinstance(v, (str, int, float))})
+    with contextlib.suppress(Exception):
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10)
+        if smi.returncode == 0:
+            info["nvidia_smi"] = smi.stdout.strip()
+    return info
+
+
+def versions() -> dict:
+    import mlx_lm
+
+    out = dict(mlx=mx.__version__, mlx_lm=mlx_lm.__version__, python=platform.python_version())
+    with contextlib.suppress(Exception):
+        out["metal_cluster_commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                                     capture_output=True, text=True, timeout=5).stdout.strip()
+    return out
+
+
+def _get(d: dict, *keys):
+    for k in keys:
+        if not isinstance(d, dict) or k not in d:
+            return None
+        d = d[k]
+    return d
+
+
+def _fmt(x, kind: str) -> str:
+    if x is None:
+        return "—"
+    if kind == "ms":
+        return f"{1000 * x:.1f}"
+    if kind == "frac":
+        return f"{x:.2f}"
+    return f"{x:.1f}" if x < 100 else f"{x:.0f}"
+
+
+def table(results: dict, wl: Workload) -> str:
+    """Rows of measurements; ratio > 1 means ours is better (tok/s: ours / mlx-lm, TTFT: mlx-lm / ours)."""
+    lines = ["| measurement | mlx-lm | ours | ratio (>1: ours better) |", "|---|---:|---:|---:|"]
+
+    def row(name, a, b, kind, lower_better=False):
+        if a is None and b is None:
+            return  # not measured in this run
+        ratio = None if a is None or b is None or not a or not b else (a / b if lower_better else b / a)
+        lines.append(f"| {name} | {_fmt(a, kind)} | {_fmt(b, kind)} | {_fmt(ratio, 'frac')} |")
+
+    lo, hi = wl.mixed_min, wl.mixed_max
+    for fmt, r in results["formats"].items():
+        m, o, p = r.get("mlx_lm", {}), r.get("ours", {}), r.get("pipeline", {})
+        bound = r.get("bound_tok_s")
+        row(f"{fmt}: decode batch 1, {wl.decode_prompt}-token prompt (tok/s)",
+            _get(m, "decode_b1", "tok_s"), _get(o, "decode_b1", "tok_s"), "tok")
+        if bound:
+            row(f"{fmt}: decode batch 1 / bound ({bound:.0f} tok/s)", _frac(_get(m, "decode_b1", "tok_s"), bound),
+                _frac(_get(o, "decode_b1", "tok_s"), bound), "frac")
+        row(f"{fmt}: decode batch {wl.batch}, prompts {lo}..{hi} (tok/s)",
+            _get(m, "decode_batch", "tok_s"), _get(o, "decode_batch", "tok_s"), "tok")
+        row(f"{fmt}: time to first token, {wl.ttft_prompt}-token prompt (ms)",
+            _get(m, "ttft", "seconds"), _get(o, "ttft", "seconds"), "ms", lower_better=True)
+        if p:
+            n = p.get("stages", PIPELINE_STAGES)
+            row(f"{fmt}: {n} stages, decode batch 1 (tok/s)",
+                _get(m, "decode_b1", "tok_s"), _get(p, "decode_b1", "tok_s"), "tok")
+            row(f"{fmt}: {n} stages, decode batch {wl.batch} (tok/s)",
+                _get(m, "decode_batch", "tok_s"), _get(p, "decode_batch", "tok_s"), "tok")
+            row(f"{fmt}: {n} stages, time to first token (ms)",
+                _get(m, "ttft", "seconds"), _get(p, "ttft", "seconds"), "ms", lower_better=True)
+    return "\n".join(lines)
+
+
+def _frac(x, bound):
+    return None if x is None else x / bound
+
+
+def notes(results: dict) -> list[str]:
+    out = []
+    bw = results.get("copy_bandwidth")
+    if bw:
+        out.append(f"copy bandwidth {bw['median_bytes_per_s'] / 1e12:.3f} TB/s median "
+                   f"({bw['best_bytes_per_s'] / 1e12:.3f} best) over a {bw['array_bytes'] / 2**30:.2f} GiB bf16 array")
+    for fmt, r in results["formats"].items():
+        if "weight_bytes_per_token" in r:
+            bound = f", bound {r['bound_tok_s']:.0f} tok/s" if r.get("bound_tok_s") else ""
+            out.append(f"{fmt}: {r['weight_bytes'] / 1e9:.2f} GB of weights in {r['shards']} shard(s), "
+                       f"{r['weight_bytes_per_token'] / 1e9:.2f} GB read per decode step{bound}")
+        o = r.get("ours", {})
+        if "pool_dtype" in o:
+            mode = "one step ahead (async scheduling)" if o.get("ahead") else "one step at a time"
+            out.append(f"{fmt}: ours ran {mode} with a {o['pool_dtype']} KV pool, {o['activation_dtype']} activations, "
+                       f"attention: {o['attention']}, {o['assign']['weights_bytes'] / 1e9:.2f} GB of weights on the stage")
+        p = r.get("pipeline", {})
+        if "kv_dtypes" in p:
+            out.append(f"{fmt}: pipeline stages' KV {p['kv_dtypes']}, ring wire dtype {p.get('wire_dtype', '?')}")
+        versus = []
+        for name, key, field, lower_better in (("decode b1", "decode_b1", "tok_s", False),
+                                                ("batch", "decode_batch", "tok_s", False),
+                                                ("TTFT", "ttft", "seconds", True)):
+            one, two = _get(o, key, field), _get(p, key, field)
+            if one and two:
+                versus.append(f"{name} {(one / two if lower_better else two / one):.2f}x")
+        if versus:
+            out.append(f"{fmt}: {p.get('stages', PIPELINE_STAGES)} stages vs our 1 stage (>1: pipeline better): "
+                       + ", ".join(versus))
+        for side in ("mlx_lm", "ours", "pipeline"):
+            if "error" in r.get(side, {}):
+                out.append(f"{fmt}: {side} failed: {r[side]['error']}")
+    return out
+
+
+# --- main -------------------------------------------------------------------------------------
+
+def parse_list(text: str, allowed) -> list[str]:
+    items = [x for x in text.split(",") if x]
+    bad = [x for x in items if x not in allowed]
+    if bad:
+        sys.exit(f"unknown {bad}; choose from {','.join(allowed)}")
+    return items
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path, help="write every raw number here (rewritten after each section)")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated subset of {','.join(FORMATS)}")
+    ap.add_argument("--measures", default=",".join(MEASURES),
+                    help="b1: decode batch 1; batch: decode batch 32, mixed prompts; ttft: time to first token")
+    ap.add_argument("--work-dir", type=Path, default=Path("/tmp/gpu-serving"), help="model folders (reused)")
+    ap.add_argument("--small", action="store_true", help="a tiny shape and workload: a smoke test for the CPU")
+    ap.add_argument("--memory-utilization", type=float, default=0.5, help="as serve's --gpu-memory-utilization")
+    ap.add_argument("--step-timeout", type=float, default=60.0, help="seconds a pipeline step may take")
+    ap.add_argument("--sync", action="store_true",
+                    help="one stage without async scheduling (as serve with METAL_CLUSTER_NO_OVERLAP=1)")
+    args = ap.parse_args()
+    if mx.default_device().type == mx.DeviceType.cpu:
+        use_openblas()
+    sections = parse_list(args.sections, SECTIONS)
+    formats = parse_list(args.formats, FORMATS)
+    measures = parse_list(args.measures, MEASURES)
+    config = SMALL if args.small else QWEN3_8B
+    wl = SMALL_WORKLOAD if args.small else Workload()
+
+    results = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                   device=device_info(), versions=versions(), args={k: str(v) for k, v in vars(args).items()},
+                   config=config, workload=asdict(wl), batch_prompt_lengths=mixed_lengths(wl), formats={})
+    print(f"device {results['device']} mlx {results['versions']['mlx']} mlx-lm {results['versions']['mlx_lm']}",
+          flush=True)
+
+    def save():
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+
+    if "bandwidth" in sections:
+        results["copy_bandwidth"] = copy_bandwidth(wl.copy_bytes, wl.copy_iters)
+        print(f"copy bandwidth: {results['copy_bandwidth']['median_bytes_per_s'] / 1e9:.0f} GB/s", flush=True)
+        save()
+    folders = ensure_folders(args.work_dir, config, formats, args.small)
+    for fmt in formats:
+        folder = folders[fmt]
+        r = results["formats"][fmt] = dict(folder=str(folder), **weight_bytes(folder, config))
+        if "copy_bandwidth" in results:
+            r["bound_tok_s"] = results["copy_bandwidth"]["median_bytes_per_s"] / r["weight_bytes_per_token"]
+        print(f"{fmt}: {folder}", flush=True)
+        sides = [("mlx-lm", "mlx_lm", lambda: mlx_lm_side(folder, config, wl, measures)),
+                 ("ours", "ours",
+                  lambda: ours_in_process(folder, config, wl, measures, args.memory_utilization, not args.sync)),
+                 ("pipeline", "pipeline",
+                  lambda: ours_pipeline(folder, config, wl, measures, args.memory_utilization, args.step_timeout))]
+        for section, key, fn in sides:
+            if section not in sections:
+                continue
+            started = time.perf_counter()
+            try:
+                r[key] = fn()
+            except Exception as e:  # keep the other sections' numbers
+                traceback.print_exc()
+                r[key] = dict(error=f"{type(e).__name__}: {e}")
+            free()
+            r[key]["section_s"] = time.perf_counter() - started  # for planning device time
+            print(f"  ({section}: {r[key]['section_s']:.0f}s)", flush=True)
+            save()
+
+    print()
+    print(table(results, wl))
+    print()
+    for line in notes(results):
+        print(f"- {line}")
+    if mx.default_device().type == mx.DeviceType.cpu:
+        print("- CPU: a smoke test only; the stage computes in float32 there by design (DESIGN.md), "
+              "mlx-lm in the checkpoint's dtype")
+    save()
+    if args.json:
+        print(f"\nraw numbers: {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -195,16 +195,20 @@ def bf16_run(request, tmp_path_factory):
                 got={r: dict(tokens=g["tokens"], logits=np.stack(g["logits"])) for r, g in got.items()})
 
 
+def assert_stage_computes_in(host, assigned, folder, dtype):
+    """Weights, KV pool, the block size vLLM is told and what health reports: all in `dtype`."""
+    name = str(dtype).removeprefix("mlx.core.")
+    assert assigned.dtype == name and host.dtype == dtype
+    assert {str(v.dtype) for _, v in tree_flatten(host.shard.model.parameters())} == {str(dtype)}
+    pool = host.runner.pool
+    assert {a.dtype for a in pool.keys + pool.values} == {dtype}
+    assert assigned.bytes_per_block == expected_bytes_per_block(folder, num_layers(folder), dtype.size)
+    assert host.health().kv_dtype == name
+
+
 @requires_gpu
 def test_bf16_checkpoint_computes_in_bf16(bf16_run):
-    host, assigned, folder = bf16_run["host"], bf16_run["assigned"], bf16_run["folder"]
-    assert assigned.dtype == "bfloat16"
-    assert host.dtype == mx.bfloat16
-    assert {str(v.dtype) for _, v in tree_flatten(host.shard.model.parameters())} == {str(mx.bfloat16)}
-    pool = host.runner.pool
-    assert {a.dtype for a in pool.keys + pool.values} == {mx.bfloat16}
-    assert assigned.bytes_per_block == expected_bytes_per_block(folder, num_layers(folder), 2)
-    assert host.health().kv_dtype == "bfloat16"
+    assert_stage_computes_in(bf16_run["host"], bf16_run["assigned"], bf16_run["folder"], mx.bfloat16)
     # The lm_head's output is bf16: the activations stayed bf16 all the way (nothing promoted them).
     assert bf16_run["logits_dtypes"] == {mx.bfloat16}
 
@@ -299,13 +303,7 @@ def bf16_on_cpu(tmp_path_factory):
 def test_bf16_checkpoint_computes_in_float32_on_the_cpu(bf16_on_cpu):
     folder, host, assigned = bf16_on_cpu
     assert json.loads((folder / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    assert assigned.dtype == "float32"
-    assert host.dtype == mx.float32
-    assert {str(v.dtype) for _, v in tree_flatten(host.shard.model.parameters())} == {str(mx.float32)}
-    pool = host.runner.pool
-    assert {a.dtype for a in pool.keys + pool.values} == {mx.float32}
-    assert assigned.bytes_per_block == expected_bytes_per_block(folder, num_layers(folder), 4)
-    assert host.health().kv_dtype == "float32"
+    assert_stage_computes_in(host, assigned, folder, mx.float32)
 
 
 @requires_cpu

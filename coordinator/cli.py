@@ -115,10 +115,13 @@ def up(
         _run_server(source, host, port, gpu_memory_utilization, extra)
         return
     memory = _host_memory()
-    candidates = hosts + ([placement.Host("this-host", "local", memory, local=True)] if local_worker else [])
-    cost = placement.ModelCost.from_config(source.config)
+    if local_worker:
+        from metal_cluster.stage_worker.dtypes import on_gpu  # MLX: only when this host runs a stage
+
+        hosts = hosts + [placement.Host("this-host", "local", memory, local=True, gpu=on_gpu())]
+    cost = placement.ModelCost.from_config(source.config, on_gpu=all(h.gpu for h in hosts))
     try:
-        stages = placement.plan(candidates, cost, gpu_memory_utilization, _max_model_len(extra, source.config))
+        stages = placement.plan(hosts, cost, gpu_memory_utilization, _max_model_len(extra, source.config))
     except placement.PlacementError as e:
         fail(str(e), code=1)
     cluster.show_plan(stages, console)

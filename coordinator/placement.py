@@ -24,6 +24,7 @@ class Host:
     wired: bool = True
     local: bool = False
     ring_port: int = 0
+    gpu: bool = False  # its stages compute in the model's own dtype (quantized stays quantized)
 
 
 @dataclass
@@ -36,7 +37,10 @@ class ModelCost:
     activation_bytes: int = 0  # reserve on every stage
 
     @classmethod
-    def from_config(cls, config: dict, bytes_per_param: int = 4, activation_bytes: int = 256 * 2**20):
+    def from_config(cls, config: dict, on_gpu: bool = False, activation_bytes: int = 256 * 2**20):
+        """Estimated from config.json alone. On GPUs (`on_gpu`: every host of the plan) weights cost
+        what the checkpoint stores and KV its dtype; on a CPU everything is float32 (DESIGN.md)."""
+        bytes_per_param, kv_bytes = (param_bytes(config), half_or_float32(config)) if on_gpu else (4, 4)
         hidden, inter = config["hidden_size"], config["intermediate_size"]
         heads = config["num_attention_heads"]
         kv_heads = config.get("num_key_value_heads") or heads
@@ -46,12 +50,26 @@ class ModelCost:
         embed = config["vocab_size"] * hidden
         return cls(
             num_layers=config["num_hidden_layers"],
-            layer_bytes=layer * bytes_per_param,
-            embed_bytes=embed * bytes_per_param,
-            head_bytes=(embed + hidden) * bytes_per_param,
-            kv_bytes_per_token_per_layer=2 * kv_heads * head_dim * 4,  # KV stays float32 on the CPU path
+            layer_bytes=int(layer * bytes_per_param),
+            embed_bytes=int(embed * bytes_per_param),
+            head_bytes=int((embed + hidden) * bytes_per_param),
+            kv_bytes_per_token_per_layer=2 * kv_heads * head_dim * kv_bytes,
             activation_bytes=activation_bytes,
         )
+
+
+def half_or_float32(config: dict) -> int:
+    """Bytes per value of the checkpoint's compute dtype (a quantized one computes in half)."""
+    return 2 if config.get("quantization") or config.get("torch_dtype") in ("bfloat16", "float16") else 4
+
+
+def param_bytes(config: dict) -> float:
+    """Bytes a parameter takes as stored: packed bits plus a half-width scale and bias per group
+    for mlx-lm's quantized folders, else the checkpoint's dtype."""
+    q = config.get("quantization")
+    if q:
+        return q["bits"] / 8 + 2 * 2 / q["group_size"]
+    return half_or_float32(config)
 
 
 @dataclass

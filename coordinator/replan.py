@@ -107,12 +107,13 @@ def place(stages: list, healths: list, settings: Settings) -> tuple[list, list, 
     here = machine_id()
     hosts = [
         placement.Host(name=h.node_id or s.name, grpc_address=s.name,
-                       memory_total=h.host_memory_bytes // host_ids.count(h.host_id), local=h.host_id == here)
+                       memory_total=h.host_memory_bytes // host_ids.count(h.host_id), local=h.host_id == here,
+                       gpu=h.device.endswith("gpu"))
         for s, h in zip(stages, healths)
     ]
+    cost = placement.ModelCost.from_config(settings.config, on_gpu=all(h.gpu for h in hosts))
     try:
-        stage_plans = placement.plan(hosts, placement.ModelCost.from_config(settings.config), settings.utilization,
-                                     settings.max_model_len)
+        stage_plans = placement.plan(hosts, cost, settings.utilization, settings.max_model_len)
     except placement.PlacementError as e:
         raise ReplanError(str(e)) from None
     by_address = {s.name: (s, h) for s, h in zip(stages, healths)}

@@ -66,7 +66,7 @@ def _check(found: Found, token: str, console: Console, deadline: float) -> Host 
     if health is None:
         return None
     return Host(name=health.node_id, grpc_address=found.address, memory_total=health.host_memory_bytes,
-                wired=found.link != "wifi", ring_port=health.ring_port)
+                wired=found.link != "wifi", ring_port=health.ring_port, gpu=health.device.endswith("gpu"))
 
 
 def _claim_if_orphaned(stage: RemoteStage, health, console: Console, deadline: float):

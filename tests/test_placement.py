@@ -58,3 +58,21 @@ def test_cost_from_a_config():
     assert cost.num_layers == 30
     assert 13e6 < cost.layer_bytes < 15e6  # ~3.5M parameters a layer in float32
     assert cost.kv_bytes_per_token_per_layer == 2 * 3 * 64 * 4
+
+
+def test_cost_on_gpus_follows_the_checkpoint():
+    config = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
+              "num_hidden_layers": 30, "vocab_size": 49152, "torch_dtype": "bfloat16"}
+    cpu, gpu = ModelCost.from_config(config), ModelCost.from_config(config, on_gpu=True)
+    assert gpu.layer_bytes * 2 == cpu.layer_bytes  # bf16 kept on a GPU, float32 on a CPU
+    assert gpu.kv_bytes_per_token_per_layer * 2 == cpu.kv_bytes_per_token_per_layer
+    four_bit = ModelCost.from_config({**config, "quantization": {"group_size": 64, "bits": 4}}, on_gpu=True)
+    assert four_bit.layer_bytes / cpu.layer_bytes == pytest.approx((0.5 + 4 / 64) / 4)
+    assert four_bit.kv_bytes_per_token_per_layer == gpu.kv_bytes_per_token_per_layer
+    # A 4-bit model that fits GPU hosts only as stored.
+    hosts = [Host("mac", "m:1", 1 * GIB, local=True, gpu=True)]
+    fits = ModelCost.from_config({**config, "quantization": {"group_size": 64, "bits": 4}, "num_hidden_layers": 60},
+                                 on_gpu=True, activation_bytes=0)
+    assert layers(plan(hosts, fits, 0.5, 1024)) == [("mac", 0, 60)]
+    with pytest.raises(PlacementError):
+        plan(hosts, ModelCost.from_config({**config, "num_hidden_layers": 60}, activation_bytes=0), 0.5, 1024)

@@ -15,6 +15,16 @@ def host_memory_bytes() -> int:
     return psutil.virtual_memory().total
 
 
+def stage_memory_bytes() -> int:
+    """What a stage's weights, activations and KV come out of: the GPU's own memory where MLX
+    reports one (a discrete GPU; a Mac's GPU reports its unified memory, the same as the host's),
+    else the host's RAM (MLX's CPU backend)."""
+    import mlx.core as mx  # imported here: the coordinator uses KVBudget without MLX
+
+    info = mx.device_info() if mx.default_device().type == mx.DeviceType.gpu else {}
+    return int(info.get("total_memory") or info.get("memory_size") or host_memory_bytes())
+
+
 @dataclass
 class KVBudget:
     utilization: float
@@ -33,11 +43,11 @@ class KVBudget:
             return
         raise MemoryBudgetError(
             f"not enough memory for one {max_model_len}-token request: the KV cache needs {needed / GIB:.2f} GiB, "
-            f"but {self.utilization:.0%} of {self.host_bytes / GIB:.1f} GiB host memory minus "
+            f"but {self.utilization:.0%} of {self.host_bytes / GIB:.1f} GiB of memory minus "
             f"{self.weights_bytes / GIB:.2f} GiB weights and {self.activation_bytes / GIB:.2f} GiB activations "
             f"leaves {self.kv_bytes / GIB:.2f} GiB; raise --gpu-memory-utilization or lower --max-model-len"
         )
 
 
 def kv_budget(utilization: float, weights_bytes: int, activation_bytes: int) -> KVBudget:
-    return KVBudget(utilization, host_memory_bytes(), weights_bytes, activation_bytes)
+    return KVBudget(utilization, stage_memory_bytes(), weights_bytes, activation_bytes)

@@ -119,14 +119,22 @@ class StageHost:
 
     # --- data ------------------------------------------------------------------------------------
     def step(self, req: pb.StepRequest, wait_s: float = 60.0) -> pb.StepResponse:
-        """Run one step and answer it."""
-        return self.launch(req, wait_s)()
+        """Run one step and answer it, before the next step may start (the gRPC path)."""
+        started = time.perf_counter()
+        return self._in_turn(req, wait_s, lambda: self._answer(self._launch(req), started))
 
     def launch(self, req: pb.StepRequest, wait_s: float = 60.0) -> Callable[[], pb.StepResponse]:
         """Queue one step's work on the device; the function returned waits for it and answers.
 
         Between the two the caller may launch the next step (the in-process stage under vLLM's
         async scheduling), so the device never waits for the host to build it."""
+        started = time.perf_counter()
+        out = self._in_turn(req, wait_s, lambda: self._launch(req))
+        return lambda: self._answer(out, started)
+
+    def _in_turn(self, req: pb.StepRequest, wait_s: float, run):
+        """`run()` once every earlier step has had its turn: ring messages between stages match
+        only in step order."""
         check_version(req.version)
         if self.state != "serving":
             raise StageStateError(f"a step needs a started stage; this one is {self.state}")
@@ -137,12 +145,10 @@ class StageHost:
             if req.step_id < self.next_step:
                 raise StepError(f"step {req.step_id} already ran (the next step is {self.next_step})")
             try:
-                started = time.perf_counter()
-                out = self._launch(req)
+                return run()
             finally:
                 self.next_step += 1
                 self.turn.notify_all()
-        return lambda: self._answer(out, started)
 
     def _launch(self, req: pb.StepRequest) -> StageOutput:
         with self.lock:

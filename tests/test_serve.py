@@ -107,6 +107,33 @@ def test_sixteen_concurrent_streams(client):
     assert results == [["length"]] * 16
 
 
+def test_preempted_requests_resume_token_exact(llama_model, tmp_path):
+    """A KV cache too small for the batch: vLLM preempts and later resumes requests (recomputing
+    them) while the next step is already scheduled ahead (async scheduling); every request still
+    gets mlx-lm's greedy tokens."""
+    ref_model, tokenizer = load(str(llama_model))
+    prompts = [tokenizer.encode(f"Request number {i} asks for a long and winding story about the sea") for i in range(8)]
+    expected = [mlx_lm_greedy(ref_model, ids, 40) for ids in prompts]
+    args = ["--max-model-len", "128", "--max-num-seqs", "8", "--num-gpu-blocks-override", "12",
+            "--served-model-name", "tiny"]
+    with running_server(llama_model, *args, log_path=tmp_path / "server.log") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=300, max_retries=0)
+
+        def greedy(ids):
+            r = client.completions.create(model="tiny", prompt=ids, max_tokens=40, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+            return r.choices[0].token_ids
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(greedy, prompts))
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+    preemptions = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                      if line.startswith("vllm:num_preemptions_total"))
+    assert preemptions > 0, "the KV cache was large enough: nothing was preempted"
+    assert got == expected
+
+
 def _post(url, body: bytes):
     req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
     try:

@@ -60,5 +60,8 @@ class Ring:
         self.bytes_sent += hidden.nbytes
 
     def recv_prev(self, num_tokens: int, hidden_size: int) -> mx.array:
-        """Lazy: the stage builds its layers' graph on it while the bytes are still on their way."""
-        return mx.distributed.recv((num_tokens, hidden_size), self.wire_dtype, self.rank - 1, group=self.group)
+        # Received before the step goes on: a receive still pending in MLX's threads when the
+        # process re-executes itself for a new plan can take the process down with it.
+        hidden = mx.distributed.recv((num_tokens, hidden_size), self.wire_dtype, self.rank - 1, group=self.group)
+        mx.eval(hidden)
+        return hidden

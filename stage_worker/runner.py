@@ -83,8 +83,10 @@ class StageRunner:
         hidden = self._forward(batch, hidden_in)
         for req_id, n in zip(batch.req_ids, batch.num_tokens):
             self.table.advance(req_id, n)
-        # Every layer's KV write feeds its attention, so evaluating what the step hands on
-        # evaluates the pools too.
+        if not step.stage_keeps_tokens:
+            # A stage in a pipeline finishes its step's work before it answers: work still queued
+            # in MLX's threads when the process re-executes itself for a new plan can take it down.
+            mx.eval(hidden, self.pool.keys, self.pool.values)
         if not self.shard.is_last:
             out.hidden = hidden
             return out
@@ -97,8 +99,11 @@ class StageRunner:
             # Copying [rows, vocab] logits to the host and scanning them in NumPy cost more than
             # the attention of a whole decode step on a GPU.
             tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
-            mx.async_eval(tokens)
             on_device = DeviceTokens(batch.sample_req_ids, tokens, [])
+            if not step.stage_keeps_tokens:
+                out.on_device = on_device
+                return out.resolve()
+            mx.async_eval(tokens)
             if step.stage_keeps_tokens:
                 for row, req_id in enumerate(batch.sample_req_ids):
                     on_device.slots.append(self._keep(self.table[req_id], PENDING, (on_device, row)))

@@ -198,9 +198,7 @@ class StageHost:
         step.new_requests.append(pb.NewRequest(req_id="warm-up", prompt_token_ids=[0] * num_tokens, block_ids=range(1, blocks)))
         step.scheduled.append(pb.ScheduledTokens(req_id="warm-up", num_tokens=num_tokens))
         hidden = None if self.shard.is_first else mx.zeros((num_tokens, self.hidden_size), dtype=self.dtype)
-        out = runner.step(step, hidden)
-        if out.hidden is not None:
-            mx.eval(out.hidden)
+        runner.step(step, hidden)
         peak = max(0, mx.get_peak_memory() - base)
         del runner
         mx.clear_cache()

@@ -42,7 +42,7 @@ class DeviceTokens:
 @dataclass
 class StageOutput:
     step_id: int
-    hidden: mx.array | None = None  # [total_q, hidden] for the next stage (non-last stages), unevaluated
+    hidden: mx.array | None = None  # [total_q, hidden] for the next stage (non-last stages), evaluated
     sampled: dict[str, Sampled] = field(default_factory=dict)  # last stage only
     on_device: DeviceTokens | None = None  # kept tokens not read back yet: `resolve` reads them
 
@@ -61,10 +61,7 @@ class StageRunner:
 
     def step(self, step: pb.StepRequest, hidden_in: mx.array | None = None) -> StageOutput:
         """prepare + run, waited for."""
-        out = self.run(step, self.prepare(step), hidden_in).resolve()
-        if out.hidden is not None:
-            mx.eval(out.hidden)
-        return out
+        return self.run(step, self.prepare(step), hidden_in).resolve()
 
     def prepare(self, step: pb.StepRequest) -> StepBatch:
         """Bookkeeping and checks: everything a stage does before it needs hidden states."""
@@ -75,8 +72,8 @@ class StageRunner:
         return build_batch(self.table, step.scheduled, self.pool.block_size)
 
     def run(self, step: pb.StepRequest, batch: StepBatch, hidden_in: mx.array | None = None) -> StageOutput:
-        """Queue the step's work on the device. What it hands on (hidden states or tokens) may still
-        be computing when this returns: the ring send, or `StageOutput.resolve`, waits for it."""
+        """Run the step's work. A stage that keeps its tokens only queues it: `StageOutput.resolve`
+        waits for the tokens; every other stage has finished it when this returns."""
         out = StageOutput(step_id=step.step_id)
         if not batch.req_ids:
             return out
@@ -99,15 +96,12 @@ class StageRunner:
             # Copying [rows, vocab] logits to the host and scanning them in NumPy cost more than
             # the attention of a whole decode step on a GPU.
             tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
-            on_device = DeviceTokens(batch.sample_req_ids, tokens, [])
+            out.on_device = on_device = DeviceTokens(batch.sample_req_ids, tokens, [])
             if not step.stage_keeps_tokens:
-                out.on_device = on_device
                 return out.resolve()
             mx.async_eval(tokens)
-            if step.stage_keeps_tokens:
-                for row, req_id in enumerate(batch.sample_req_ids):
-                    on_device.slots.append(self._keep(self.table[req_id], PENDING, (on_device, row)))
-            out.on_device = on_device
+            for row, req_id in enumerate(batch.sample_req_ids):
+                on_device.slots.append(self._keep(self.table[req_id], PENDING, (on_device, row)))
             return out
         self._read_back_kept()  # penalties and logprobs need the real histories
         logits = np.array(logits.astype(mx.float32))

@@ -22,6 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from metal_cluster.kernels import AttentionMetadata, gpu_backend, paged_attention, paged_attention_reference
+from metal_cluster.stage_worker.families import REGISTRY
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 DTYPE = mx.bfloat16
@@ -200,8 +201,11 @@ def runner_tokens_per_s(model, batch_prompts, warm: int, steps: int, attention=N
         max_len = len(batch_prompts[0]) + warm + steps + 2
         num_blocks = 1 + n * -(-max_len // BLOCK) + 8
         layers = QWEN3_1_7B["num_hidden_layers"]
-        shard = ModelShard(model=model, config=QWEN3_1_7B, start=0, end=layers, num_layers=layers)
-        pool = KVPool.allocate(layers, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=DTYPE)
+        family = REGISTRY["qwen3"]
+        caches = family.layer_caches(QWEN3_1_7B)
+        shard = ModelShard(model=model, config=QWEN3_1_7B, start=0, end=layers, num_layers=layers,
+                           family=family, caches=caches, dtype=DTYPE)
+        pool = KVPool.allocate(caches, num_blocks, BLOCK, DTYPE)
         runner = StageRunner(shard, pool)
         sched = SchedulerDouble(lambda step: {r: s.token_id for r, s in runner.step(step).sampled.items()},
                                 num_blocks, BLOCK)
@@ -220,15 +224,15 @@ def runner_tokens_per_s(model, batch_prompts, warm: int, steps: int, attention=N
 
 
 def bench_model(batches, prompt_len: int, warm: int, steps: int, with_reference: bool) -> list[dict]:
-    from metal_cluster.stage_worker.attention import wrap_attention
-
     model = random_model()
     rows = []
     baseline = {}
     for b in batches:  # mlx-lm first: wrapping replaces the model's attention modules in place
         ps = prompts(b, prompt_len)
         baseline[b] = mlx_lm_batch1(model, ps[0], warm, steps) if b == 1 else mlx_lm_batched(model, ps, warm, steps)
-    wrap_attention(model.model.layers, None)
+    family = REGISTRY["qwen3"]
+    for layer, cache in zip(model.model.layers, family.layer_caches(QWEN3_1_7B)):
+        layer.self_attn = family.paged_attention(layer.self_attn, cache)
     for b in batches:
         ps = prompts(b, prompt_len)
         row = dict(batch=b, mlx_lm_tok_s=baseline[b], runner_kernel_tok_s=runner_tokens_per_s(model, ps, warm, steps))

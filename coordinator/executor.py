@@ -10,6 +10,7 @@ with a `StageLossOutput` (their requests end with a clear error) and a re-plan r
 background (replan.py) while the scheduler holds everything that has not started.
 """
 
+import json
 import logging
 import os
 import threading
@@ -33,8 +34,8 @@ from metal_cluster.coordinator.executor_env import (
 from metal_cluster.coordinator.monitor import Monitor
 from metal_cluster.coordinator.stages import LazyFuture, LocalStage, Pipeline, RemoteStage, even_split, wire_dtype
 from metal_cluster.coordinator.step_translation import StepTranslator, to_runner_output
+from metal_cluster.stage_worker.families import family_of
 from metal_cluster.stage_worker.memory import KVBudget, MemoryBudgetError
-from metal_cluster.stage_worker.model_source import kv_geometry
 
 # A child of vLLM's logger, so our lines come out with the engine's own (same format, same process tag).
 log = logging.getLogger("vllm.metal_cluster.executor")
@@ -117,13 +118,18 @@ class ClusterExecutor(Executor):
         import torch
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-        kv_heads, head_dim = kv_geometry(self.model_config.hf_config.to_dict())
+        config = json.loads((Path(self.model_config.model) / "config.json").read_text())
+        caches = family_of(config, self.model_config.model).layer_caches(config)
         specs = []
         for (a, b), r in zip(self.ranges, self.assigned):
             # The stage's own KV dtype, so that vLLM's page size, and with it its block count, is the real one.
-            spec = FullAttentionSpec(block_size=self.cache_config.block_size, num_kv_heads=kv_heads,
-                                     head_size=head_dim, dtype=getattr(torch, r.dtype or "float32"))
-            specs.append({f"model.layers.{i}.self_attn.attn": spec for i in range(a, b)})
+            dtype = getattr(torch, r.dtype or "float32")
+            specs.append({
+                f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
+                    block_size=self.cache_config.block_size, num_kv_heads=caches[i].kv_heads,
+                    head_size=caches[i].head_dim, dtype=dtype)
+                for i in range(a, b)
+            })
         return specs
 
     def get_supported_kv_cache_layouts(self):

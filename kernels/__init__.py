@@ -40,15 +40,16 @@ PREFILL_KERNEL_MAX_WORK = 512 * 512
 DECODE_SPLIT_MIN_CONTEXT = 16384
 
 
-def paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, scale: float, sliding_window=None):
+def paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, scale: float, sliding_window=None, sinks=None):
     """Attention of packed queries `q` [total_q, H, D] over each request's paged context.
 
     `k_pool`/`v_pool` are one layer's pools, [num_blocks, block_size, kv_heads, D], already holding
-    the K/V of this step's tokens. Returns [total_q, H, D].
+    the K/V of this step's tokens. `sinks` [H]: one learned logit per head that joins each softmax
+    with no value (GPT-OSS). Returns [total_q, H, D].
     """
     backend = gpu_backend()
-    if backend is None or not _fast.supports(q, k_pool, meta, v_pool):
-        return paged_attention_reference(q, k_pool, v_pool, meta, scale, sliding_window)
+    if backend is None or sinks is not None or not _fast.supports(q, k_pool, meta, v_pool):
+        return paged_attention_reference(q, k_pool, v_pool, meta, scale, sliding_window, sinks)
     split = _split_batch(meta)
     if split is None:
         return _fast.paged_attention_kernel(q, k_pool, v_pool, meta, scale, sliding_window, backend=backend)

@@ -16,12 +16,12 @@ from metal_cluster.kernels.metadata import AttentionMetadata
 BATCHED_DECODE_MAX_CONTEXT = 512
 
 
-def paged_attention_reference(q, k_pool, v_pool, meta: AttentionMetadata, scale, sliding_window=None):
+def paged_attention_reference(q, k_pool, v_pool, meta: AttentionMetadata, scale, sliding_window=None, sinks=None):
     q_lens, ctx_lens = meta.query_lens_host, meta.seq_lens_host
     decodes = [r for r, n in enumerate(q_lens) if n == 1]
     if decodes and max(ctx_lens[r] for r in decodes) > BATCHED_DECODE_MAX_CONTEXT:
         decodes = []
-    decoded = _decode_batch(q, k_pool, v_pool, meta, decodes, scale, sliding_window) if decodes else None
+    decoded = _decode_batch(q, k_pool, v_pool, meta, decodes, scale, sliding_window, sinks) if decodes else None
     if len(decodes) == len(q_lens):
         return decoded
     outputs, starts = [], _starts(q_lens)
@@ -33,7 +33,7 @@ def paged_attention_reference(q, k_pool, v_pool, meta: AttentionMetadata, scale,
             i = decode_slot[r]
             outputs.append(decoded[i : i + 1])
             continue
-        outputs.append(_prefill_one(q[starts[r] : starts[r] + q_len], k_pool, v_pool, meta, r, scale, sliding_window))
+        outputs.append(_prefill_one(q[starts[r] : starts[r] + q_len], k_pool, v_pool, meta, r, scale, sliding_window, sinks))
     return mx.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
 
 
@@ -45,7 +45,7 @@ def _starts(q_lens):
     return starts
 
 
-def _decode_batch(q, k_pool, v_pool, meta, rows, scale, window):
+def _decode_batch(q, k_pool, v_pool, meta, rows, scale, window, sinks):
     """All single-query requests at once: [R, H, D] out of contexts padded to the longest."""
     block_size = k_pool.shape[1]
     ctx = [meta.seq_lens_host[r] for r in rows]
@@ -60,7 +60,7 @@ def _decode_batch(q, k_pool, v_pool, meta, rows, scale, window):
     mask = positions < lens
     if window is not None:
         mask = mask & (positions >= lens - window)
-    out = mx.fast.scaled_dot_product_attention(q_rows, k, v, scale=scale, mask=mask[:, None, None, :])
+    out = _sdpa(q_rows, k, v, scale, mask[:, None, None, :], sinks)
     return out[:, :, 0, :]
 
 
@@ -73,16 +73,20 @@ def _gather_padded(pool, tables):
     return mx.contiguous(kv.transpose(0, 2, 1, 3))
 
 
-def _prefill_one(q_r, k_pool, v_pool, meta, r, scale, window):
+def _prefill_one(q_r, k_pool, v_pool, meta, r, scale, window, sinks):
     q_len, ctx_len = q_r.shape[0], meta.seq_lens_host[r]
     block_size = k_pool.shape[1]
     blocks = meta.block_tables[r, : -(-ctx_len // block_size)]
     k = _gather_padded(k_pool, blocks[None])[:, :, :ctx_len]
     v = _gather_padded(v_pool, blocks[None])[:, :, :ctx_len]
-    out = mx.fast.scaled_dot_product_attention(
-        q_r.transpose(1, 0, 2)[None], k, v, scale=scale, mask=_causal_mask(q_len, ctx_len, window)
-    )
+    out = _sdpa(q_r.transpose(1, 0, 2)[None], k, v, scale, _causal_mask(q_len, ctx_len, window), sinks)
     return out[0].transpose(1, 0, 2)
+
+
+def _sdpa(q, k, v, scale, mask, sinks):
+    if sinks is None:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks.astype(q.dtype))
 
 
 def _causal_mask(q_len, ctx_len, window):

@@ -1,8 +1,9 @@
 """Paged attention for mlx-lm's attention modules.
 
-mlx-lm's decoder blocks are reused as they are (norms, MLP, residuals); only their `self_attn` is
-wrapped, so that K/V go to the paged pool and attention reads it. The wrapped module's own
-projections, q/k norms (Qwen3) and RoPE do the rest.
+mlx-lm's decoder blocks are reused as they are (norms, MLP or experts, residuals); only their
+`self_attn` is wrapped, so that K/V go to the paged pool and attention reads it. The wrapped
+module's own projections, q/k norms and RoPE do the rest; its family (`families/`) says what its
+head counts, scale, window and sinks are called.
 """
 
 import mlx.core as mx
@@ -21,34 +22,33 @@ class LayerContext:
 
 
 class PagedAttention(nn.Module):
-    def __init__(self, inner: nn.Module, sliding_window: int | None):
+    def __init__(self, inner: nn.Module, n_heads: int, n_kv_heads: int, scale: float,
+                 sliding_window: int | None = None, sinks: mx.array | None = None):
         super().__init__()
         self.inner = inner
+        self.n_heads, self.n_kv_heads, self.scale = n_heads, n_kv_heads, scale
         self.sliding_window = sliding_window
+        self.has_sinks = sinks is not None  # the sinks stay a parameter of `inner`
 
     def __call__(self, x: mx.array, mask=None, cache: LayerContext = None) -> mx.array:
         a = self.inner
         batch = cache.batch
         tokens = x.shape[1]  # x is [1, total_q, hidden]: the whole packed batch as one row
-        q = a.q_proj(x).reshape(tokens, a.n_heads, -1)
-        k = a.k_proj(x).reshape(tokens, a.n_kv_heads, -1)
-        v = a.v_proj(x).reshape(tokens, a.n_kv_heads, -1)
+        q = a.q_proj(x).reshape(tokens, self.n_heads, -1)
+        k = a.k_proj(x).reshape(tokens, self.n_kv_heads, -1)
+        v = a.v_proj(x).reshape(tokens, self.n_kv_heads, -1)
         if hasattr(a, "q_norm"):
-            q, k = a.q_norm(q), a.k_norm(k)
+            q = a.q_norm(q)
+        if hasattr(a, "k_norm"):
+            k = a.k_norm(k)
         q, k = _rope(a.rope, q, batch.positions), _rope(a.rope, k, batch.positions)
         cache.pool.write(cache.layer_index, batch.slot_mapping, k, v)
         k_pool, v_pool = cache.pool.layer(cache.layer_index)
-        out = paged_attention(q, k_pool, v_pool, batch.attn, a.scale, self.sliding_window)
+        sinks = a.sinks if self.has_sinks else None
+        out = paged_attention(q, k_pool, v_pool, batch.attn, self.scale, self.sliding_window, sinks=sinks)
         return a.o_proj(out.reshape(1, tokens, -1))
 
 
 def _rope(rope, x, positions):
     # Each token is its own batch row of length 1, so RoPE takes a per-token offset array.
     return rope(x[:, :, None, :], offset=positions)[:, :, 0, :]
-
-
-def wrap_attention(layers, sliding_window: int | None) -> None:
-    """Swap each layer's attention for the paged one, in place."""
-    for layer in layers:
-        window = sliding_window if getattr(layer, "use_sliding", False) else None
-        layer.self_attn = PagedAttention(layer.self_attn, window)

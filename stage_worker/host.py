@@ -17,7 +17,7 @@ import psutil
 from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.stage_worker import memory
 from metal_cluster.stage_worker.dtypes import dtype_name, from_name
-from metal_cluster.stage_worker.model_source import kv_geometry, resolve_model
+from metal_cluster.stage_worker.model_source import resolve_model
 from metal_cluster.stage_worker.paged_kv import KVPool, bytes_per_block
 from metal_cluster.stage_worker.request_table import StepError
 from metal_cluster.stage_worker.ring import Ring
@@ -179,12 +179,10 @@ class StageHost:
 
     @property
     def bytes_per_block(self) -> int:
-        kv_heads, head_dim = kv_geometry(self.shard.config)
-        return bytes_per_block(len(self.shard.layers), self.block_size, kv_heads, head_dim, self.dtype)
+        return bytes_per_block(self.shard.caches, self.block_size, self.dtype)
 
     def _allocate(self, num_blocks: int) -> KVPool:
-        kv_heads, head_dim = kv_geometry(self.shard.config)
-        return KVPool.allocate(len(self.shard.layers), num_blocks, self.block_size, kv_heads, head_dim, self.dtype)
+        return KVPool.allocate(self.shard.caches, num_blocks, self.block_size, self.dtype)
 
     def _measure_activation_peak(self, num_tokens: int) -> int:
         """One local prefill of num_tokens on a throw-away pool (no ring): activation bytes."""

@@ -25,12 +25,6 @@ class ModelSource:
         return json.loads((self.folder / "config.json").read_text())
 
 
-def kv_geometry(config: dict) -> tuple[int, int]:
-    """(kv_heads, head_dim) of a Hugging Face config."""
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    return config.get("num_key_value_heads") or config["num_attention_heads"], head_dim
-
-
 def cache_dir() -> Path:
     root = os.environ.get("METAL_CLUSTER_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "metal-cluster"

@@ -1,4 +1,5 @@
-"""The paged KV pool of one stage: K and V per local layer, [num_blocks, block_size, kv_heads, head_dim].
+"""The paged KV pool of one stage: K and V per local layer, [num_blocks, block_size, kv_heads, head_dim],
+each layer shaped as its family says (`families.LayerCache`).
 
 Block ids are global across the cluster (vLLM allocates them); block 0 is vLLM's null block and is
 never written by a real token.
@@ -18,10 +19,11 @@ class KVPool:
     block_size: int
 
     @classmethod
-    def allocate(cls, num_layers, num_blocks, block_size, kv_heads, head_dim, dtype=mx.float32):
-        shape = (num_blocks * block_size, kv_heads, head_dim)
-        keys = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        values = [mx.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+    def allocate(cls, caches, num_blocks: int, block_size: int, dtype: mx.Dtype):
+        """One K and one V array per entry of `caches` (this stage's layers, in order)."""
+        shapes = [(num_blocks * block_size, c.kv_heads, c.head_dim) for c in caches]
+        keys = [mx.zeros(shape, dtype=dtype) for shape in shapes]
+        values = [mx.zeros(shape, dtype=dtype) for shape in shapes]
         mx.eval(keys, values)
         return cls(keys, values, block_size)
 
@@ -59,6 +61,6 @@ class KVPool:
             pool[dst] = pool[src]
 
 
-def bytes_per_block(num_layers, block_size, kv_heads, head_dim, dtype: mx.Dtype) -> int:
-    """Memory one block id costs on a stage holding num_layers layers (K and V)."""
-    return 2 * num_layers * block_size * kv_heads * head_dim * dtype.size
+def bytes_per_block(caches, block_size: int, dtype: mx.Dtype) -> int:
+    """Memory one block id costs on a stage holding the layers of `caches` (K and V)."""
+    return sum(2 * block_size * c.kv_heads * c.head_dim * dtype.size for c in caches)

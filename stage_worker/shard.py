@@ -13,12 +13,9 @@ import mlx.nn as nn
 from mlx_lm.utils import _get_classes, load_model
 
 from metal_cluster.stage_worker import dtypes
-from metal_cluster.stage_worker.attention import wrap_attention
 from metal_cluster.stage_worker.errors import ModelLoadError
+from metal_cluster.stage_worker.families import Family, LayerCache, family_of
 from metal_cluster.stage_worker.model_source import ModelSource
-
-# Families whose decoder blocks fit the paged attention wrapper as they are (mlx-lm model_type).
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass
@@ -28,6 +25,8 @@ class ModelShard:
     start: int
     end: int
     num_layers: int  # in the whole model
+    family: Family
+    caches: list[LayerCache]  # what each of this stage's layers keeps in the paged pool
     dtype: mx.Dtype = mx.float32  # what this stage computes in: activations, KV pool, hidden states
 
     @property
@@ -40,41 +39,33 @@ class ModelShard:
 
     @property
     def layers(self) -> list:
-        return self.model.model.layers
+        return self.family.inner(self.model).layers
 
     def embed(self, token_ids: mx.array) -> mx.array:
-        return self.model.model.embed_tokens(token_ids)
+        return self.family.embed(self.model, token_ids)
 
     def logits(self, hidden: mx.array) -> mx.array:
-        hidden = self.model.model.norm(hidden)
-        if "lm_head" in self.model:
-            return self.model.lm_head(hidden)
-        return self.model.model.embed_tokens.as_linear(hidden)
-
-
-def check_supported(config: dict, where) -> None:
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"{where}: architecture {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
+        return self.family.logits(self.model, hidden)
 
 
 def load_shard(source: ModelSource, start: int = 0, end: int | None = None) -> ModelShard:
     config = source.config
-    check_supported(config, source.folder / "config.json")
+    family = family_of(config, source.folder / "config.json")
     num_layers = config["num_hidden_layers"]
     end = num_layers if end is None else end
     if not 0 <= start < end <= num_layers:
         raise ModelLoadError(f"layer range [{start}, {end}) is outside the model's {num_layers} layers")
     gpu = dtypes.on_gpu()
     model = _load_gguf_model(source, config, start, end, gpu) if source.gguf else _load_folder_model(source)
-    _keep_only(model, start, end, num_layers, tied="lm_head" not in model)
+    _keep_only(family.inner(model), model, start, end, num_layers)
     dtype = dtypes.compute_dtype(dtypes.model_weights(model), gpu)
     dtypes.settle(model, dtype)
     mx.eval(model.parameters())
-    wrap_attention(model.model.layers, config.get("sliding_window"))
-    return ModelShard(model=model, config=config, start=start, end=end, num_layers=num_layers, dtype=dtype)
+    caches = family.layer_caches(config)[start:end]
+    for layer, cache in zip(family.inner(model).layers, caches):
+        layer.self_attn = family.paged_attention(layer.self_attn, cache)
+    return ModelShard(model=model, config=config, start=start, end=end, num_layers=num_layers, family=family,
+                      caches=caches, dtype=dtype)
 
 
 def _load_folder_model(source: ModelSource) -> nn.Module:
@@ -122,9 +113,9 @@ def _load_gguf_model(source: ModelSource, config: dict, start: int, end: int, gp
     return model
 
 
-def _keep_only(model: nn.Module, start: int, end: int, num_layers: int, tied: bool) -> None:
+def _keep_only(inner: nn.Module, model: nn.Module, start: int, end: int, num_layers: int) -> None:
     """Drop what this stage does not run, so none of it is ever evaluated."""
-    inner = model.model
+    tied = "lm_head" not in model
     inner.layers = inner.layers[start:end]
     last = end == num_layers
     if start != 0 and not (last and tied):

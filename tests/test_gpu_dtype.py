@@ -27,7 +27,7 @@ from metal_cluster.kernels import gpu_backend
 from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.stage_worker.auth import TOKEN_ENV
 from metal_cluster.stage_worker.host import StageHost
-from metal_cluster.stage_worker.model_source import kv_geometry
+from metal_cluster.stage_worker.families import Family
 from references import mlx_lm_greedy
 from scheduler_double import SchedulerDouble
 
@@ -62,7 +62,7 @@ def num_layers(folder) -> int:
 
 
 def expected_bytes_per_block(folder, layers: int, itemsize: int) -> int:
-    kv_heads, head_dim = kv_geometry(json.loads((folder / "config.json").read_text()))
+    kv_heads, head_dim = Family.kv_geometry(json.loads((folder / "config.json").read_text()))
     return 2 * layers * BLOCK_SIZE * kv_heads * head_dim * itemsize  # K and V
 
 

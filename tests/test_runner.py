@@ -4,7 +4,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load
 
-from metal_cluster.stage_worker.model_source import kv_geometry, resolve_model
+from metal_cluster.stage_worker.model_source import resolve_model
 from metal_cluster.stage_worker.paged_kv import KVPool
 from metal_cluster.stage_worker.runner import StageRunner
 from metal_cluster.stage_worker.shard import load_shard
@@ -27,8 +27,7 @@ PROMPTS = [
 
 def make_runner(source, start=0, end=None, num_blocks=NUM_BLOCKS):
     shard = load_shard(source, start, end)
-    kv_heads, head_dim = kv_geometry(source.config)
-    pool = KVPool.allocate(len(shard.layers), num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+    pool = KVPool.allocate(shard.caches, num_blocks, BLOCK_SIZE, shard.dtype)
     return StageRunner(shard, pool)
 
 

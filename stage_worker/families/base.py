@@ -1,0 +1,68 @@
+"""What every family says about itself, with the defaults most decoder-only models share.
+
+A family is a small object: which mlx-lm model types it covers, what each of its layers keeps in the
+paged pool (`LayerCache`, by global layer index), how its attention module meets the pool
+(`paged_attention`), what a first stage embeds and what a last stage applies before logits. The
+defaults are those of mlx-lm's llama-style models; a family module overrides only what differs.
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from metal_cluster.stage_worker.attention import PagedAttention
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """What one attention layer keeps per token in its paged pool."""
+
+    kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None  # the layer attends to this many most recent tokens
+
+
+class Family:
+    model_types: tuple[str, ...] = ()
+    # Whether `layer_types` / `sliding_window` in config.json apply (mlx-lm's qwen2/qwen3 ignore them).
+    reads_sliding_window = True
+
+    # --- the paged pool ----------------------------------------------------------------------------
+    def layer_caches(self, config: dict) -> list[LayerCache]:
+        """One entry per layer of the whole model, in global layer order."""
+        kv_heads, head_dim = self.kv_geometry(config)
+        return [LayerCache(kv_heads, head_dim, self.sliding_window(config, i))
+                for i in range(config["num_hidden_layers"])]
+
+    @staticmethod
+    def kv_geometry(config: dict) -> tuple[int, int]:
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        return config.get("num_key_value_heads") or config["num_attention_heads"], head_dim
+
+    def sliding_window(self, config: dict, layer: int) -> int | None:
+        window, types = config.get("sliding_window"), config.get("layer_types")
+        if not self.reads_sliding_window or not window or not types:
+            return None
+        return window if types[layer] == "sliding_attention" else None
+
+    def paged_attention(self, attn: nn.Module, cache: LayerCache) -> PagedAttention:
+        return PagedAttention(attn, attn.n_heads, attn.n_kv_heads, attn.scale, cache.sliding_window)
+
+    # --- the model's ends ----------------------------------------------------------------------------
+    @staticmethod
+    def inner(model: nn.Module) -> nn.Module:
+        """The module holding embed_tokens, layers and norm."""
+        return model.model
+
+    def embed(self, model: nn.Module, token_ids: mx.array) -> mx.array:
+        return self.inner(model).embed_tokens(token_ids)
+
+    def logits(self, model: nn.Module, hidden: mx.array) -> mx.array:
+        hidden = self.inner(model).norm(hidden)
+        if "lm_head" in model:
+            return model.lm_head(hidden)
+        return self.inner(model).embed_tokens.as_linear(hidden)
+
+    def check_weights(self, config: dict, where) -> None:
+        """Refuse a checkpoint whose config this family cannot serve (one line, naming the file)."""

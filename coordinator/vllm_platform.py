@@ -14,7 +14,6 @@ ACTIVATE_ENV = "METAL_CLUSTER_VLLM"
 EXECUTOR = "metal_cluster.coordinator.executor.ClusterExecutor"
 SCHEDULER = "metal_cluster.coordinator.cluster_scheduler.ClusterScheduler"
 ASYNC_SCHEDULER = "metal_cluster.coordinator.cluster_scheduler.AsyncClusterScheduler"
-STUB_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 # Request fields the MLX sampler does not implement: refused with a 400 naming them, never ignored.
 UNSUPPORTED_SAMPLING = {
@@ -39,8 +38,9 @@ def register_models() -> None:
     from vllm import ModelRegistry
 
     from metal_cluster.coordinator.vllm_stub_model import MLXExecutedModel
+    from metal_cluster.stage_worker.families import FAMILIES
 
-    for arch in STUB_ARCHITECTURES:
+    for arch in {a for f in FAMILIES for a in f.architectures}:
         ModelRegistry.register_model(arch, MLXExecutedModel)
 
 

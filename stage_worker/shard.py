@@ -71,7 +71,9 @@ def load_shard(source: ModelSource, start: int = 0, end: int | None = None) -> M
 def _load_folder_model(source: ModelSource) -> nn.Module:
     try:
         model, _ = load_model(source.folder, lazy=True, strict=True)
-    except (ValueError, FileNotFoundError, KeyError) as e:
+    except KeyError as e:  # mlx-lm's sanitize looks up a tensor the checkpoint does not have
+        raise ModelLoadError(f"cannot load weights from {source.folder}: tensor {e.args[0]} is missing") from None
+    except (ValueError, FileNotFoundError) as e:
         raise ModelLoadError(f"cannot load weights from {source.folder}: {_first_line(e)}") from None
     return model
 

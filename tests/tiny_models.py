@@ -1,4 +1,5 @@
-"""Tiny random-weight model folders for tests (llama, qwen2, qwen3).
+"""Tiny random-weight model folders for tests (llama, qwen2, qwen3, and the MoE / sliding-window
+families of MORE_FAMILIES).
 
 `build_tiny_model(family, out_dir)` writes, in about a second, a folder that loads with
 `mlx_lm.utils.load` and with transformers' AutoConfig/AutoTokenizer offline (so vLLM can
@@ -28,6 +29,8 @@ from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normaliz
                         processors, trainers)
 
 FAMILIES = ("llama", "qwen2", "qwen3")
+# Held to the same checks by their own suite (tests/test_families.py), not by every FAMILIES test.
+MORE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "gemma3_text")
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Not special (as in Qwen2.5): they must survive skip_special_tokens, because vLLM's hermes
@@ -45,12 +48,65 @@ QWEN_PRETOKENIZE_REGEX = (
     r"|\s+(?!\S)|\s+"
 )
 
-_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+         "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+         "gpt_oss": "GptOssForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 # Llama is untied, the Qwens tied, so both lm_head paths are exercised by default.
-_TIED = {"llama": False, "qwen2": True, "qwen3": True}
+_TIED = {"llama": False, "qwen2": True, "qwen3": True, "qwen3_moe": False, "mixtral": False, "glm4_moe": True,
+         "gpt_oss": False, "gemma3_text": True}
 # Checkpoint dtypes: config.json's torch_dtype name -> the MLX dtype the safetensors hold.
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-_ROPE_THETA = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0}
+_ROPE_THETA = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0, "qwen3_moe": 1000000.0,
+               "mixtral": 1000000.0, "glm4_moe": 1000000.0, "gpt_oss": 150000.0, "gemma3_text": 1000000.0}
+# A window a few tokens long, so the tests' prompts reach past it.
+TINY_WINDOW = 8
+
+
+def _family_config(family: str, num_layers: int, sliding_window: int | None) -> dict:
+    """What each of MORE_FAMILIES adds to the common config: experts, routing, windows. The first
+    layer of qwen3_moe and glm4_moe is dense, so stage boundaries can cut between dense and MoE."""
+    window = sliding_window or TINY_WINDOW
+    if family == "qwen3_moe":
+        return dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                    mlp_only_layers=[0], norm_topk_prob=True, attention_bias=False,
+                    use_sliding_window=False, sliding_window=None)
+    if family == "mixtral":
+        return dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+    if family == "glm4_moe":
+        return dict(n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+                    n_group=2, topk_group=1, routed_scaling_factor=1.5, first_k_dense_replace=1,
+                    norm_topk_prob=True, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5)
+    if family == "gpt_oss":
+        return dict(num_local_experts=4, num_experts_per_tok=2, experts_per_token=2, sliding_window=window,
+                    attention_bias=True, swiglu_limit=7.0,
+                    layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)],
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                  "original_max_position_embeddings": 512, "truncate": False})
+    if family == "gemma3_text":
+        pattern = 3  # Gemma 3 has 5 sliding : 1 global; 2 : 1 keeps the model tiny
+        return dict(sliding_window=window, sliding_window_pattern=pattern, query_pre_attn_scalar=16,
+                    rope_local_base_freq=10000.0, hidden_activation="gelu_pytorch_tanh",
+                    final_logit_softcapping=None, attn_logit_softcapping=None,
+                    layer_types=["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                                 for i in range(num_layers)])
+    return {}
+
+
+def _hf_expert_names(family: str, weights: dict) -> dict:
+    """mlx-lm stacks experts ([E, out, in]); a Hugging Face checkpoint stores one tensor per expert.
+    The tiny MoE folders use the Hugging Face layout, so loading goes through mlx-lm's sanitize."""
+    out = {}
+    for name, w in weights.items():
+        if ".switch_mlp." not in name or family not in ("qwen3_moe", "glm4_moe", "mixtral"):
+            out[name] = w
+            continue
+        prefix, proj_param = name.split(".switch_mlp.")
+        proj, param = proj_param.split(".")
+        if family == "mixtral":
+            proj = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}[proj]
+        for e in range(w.shape[0]):
+            out[f"{prefix}.experts.{e}.{proj}.{param}"] = w[e]
+    return out
 
 # Deterministic training text for the tokenizer. Mixed prose, numbers, code and JSON so the
 # merges cover what the tests send (chat turns, tool calls).
@@ -203,7 +259,9 @@ def _hf_config(family, *, num_layers, hidden_size, intermediate_size, num_heads,
         "initializer_range": 0.02,
         "use_cache": True,
     }
-    if family == "llama":
+    if family in MORE_FAMILIES:
+        pass
+    elif family == "llama":
         cfg.update(attention_bias=False, mlp_bias=False)
         if sliding_window is not None:
             # Even layers sliding, odd layers full: mlx-lm's llama and vLLM's llama both read
@@ -217,18 +275,20 @@ def _hf_config(family, *, num_layers, hidden_size, intermediate_size, num_heads,
         cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=num_layers)
     if family == "qwen3":
         cfg["attention_bias"] = False
+    cfg.update(_family_config(family, num_layers, sliding_window))
     return cfg
 
 
-def _init_weights(model, seed: int) -> dict[str, mx.array]:
-    """Seeded random values for every parameter of the (lazily initialised) mlx-lm model."""
+def _init_weights(model, seed: int, gain_of_one: float = 1.0) -> dict[str, mx.array]:
+    """Seeded random values for every parameter of the (lazily initialised) mlx-lm model.
+    `gain_of_one`: the norm weight that scales by one (Gemma's norms scale by 1 + w)."""
     weights = {}
     for name, p in tree_flatten(model.parameters()):
         # One generator per tensor, keyed by name: values don't depend on iteration order, and
         # layer i is the same whatever num_layers is.
         rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
         if name.endswith("norm.weight"):  # RMSNorm gains (layer norms, final norm, q/k norms)
-            w = np.ones(p.shape, np.float32)
+            w = np.full(p.shape, gain_of_one, np.float32)
         elif name.endswith(".bias"):  # qwen2 q/k/v biases: small, so they matter but don't dominate
             w = 0.1 * rng.standard_normal(p.shape, np.float32)
         elif "embed_tokens" in name or name == "lm_head.weight":
@@ -253,8 +313,8 @@ def build_tiny_model(family: str, out_dir: Path, *, num_layers: int = 4, hidden_
 
     `dtype` is the checkpoint's dtype name (a key of DTYPES): the float32 draws rounded to it.
     """
-    if family not in FAMILIES:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}")
+    if family not in FAMILIES + MORE_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + MORE_FAMILIES}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {tuple(DTYPES)}")
     if head_dim is None:
@@ -262,7 +322,7 @@ def build_tiny_model(family: str, out_dir: Path, *, num_layers: int = 4, hidden_
     if family == "qwen2" and head_dim != hidden_size // num_heads:
         # mlx-lm's qwen2 ignores head_dim and uses hidden_size // num_heads.
         raise ValueError("qwen2 needs head_dim == hidden_size // num_heads")
-    if sliding_window is not None and family != "llama":
+    if sliding_window is not None and family not in ("llama", "gpt_oss", "gemma3_text"):
         # mlx-lm's qwen2/qwen3 ignore sliding windows, so they would disagree with vLLM.
         raise ValueError("sliding_window is only supported for family 'llama'")
     tie = _TIED[family] if tie_word_embeddings is None else tie_word_embeddings
@@ -283,7 +343,8 @@ def build_tiny_model(family: str, out_dir: Path, *, num_layers: int = 4, hidden_
     # mlx initialises lazily: building the module allocates nothing until evaluated.
     arch = importlib.import_module(f"mlx_lm.models.{family}")
     model = arch.Model(arch.ModelArgs.from_dict(config))
-    weights = {name: w.astype(DTYPES[dtype]) for name, w in _init_weights(model, seed).items()}
+    weights = _init_weights(model, seed, gain_of_one=0.0 if family == "gemma3_text" else 1.0)
+    weights = {name: w.astype(DTYPES[dtype]) for name, w in _hf_expert_names(family, weights).items()}
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
 
     tok.save(str(out_dir / "tokenizer.json"))

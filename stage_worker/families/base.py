@@ -25,6 +25,7 @@ class LayerCache:
 
 class Family:
     model_types: tuple[str, ...] = ()
+    architectures: tuple[str, ...] = ()  # the names config.json gives them (vLLM resolves these)
     # Whether `layer_types` / `sliding_window` in config.json apply (mlx-lm's qwen2/qwen3 ignore them).
     reads_sliding_window = True
 

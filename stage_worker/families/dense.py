@@ -10,8 +10,10 @@ from metal_cluster.stage_worker.families.base import Family
 
 class Llama(Family):
     model_types = ("llama", "mistral")
+    architectures = ("LlamaForCausalLM", "MistralForCausalLM")
 
 
 class Qwen(Family):
     model_types = ("qwen2", "qwen3")
+    architectures = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
     reads_sliding_window = False

@@ -10,6 +10,7 @@ from metal_cluster.stage_worker.families.base import Family
 
 class Gemma3(Family):
     model_types = ("gemma3_text",)
+    architectures = ("Gemma3ForCausalLM",)
 
     def sliding_window(self, config, layer):
         types = config.get("layer_types")

@@ -11,6 +11,7 @@ from metal_cluster.stage_worker.families.base import Family
 
 class GptOss(Family):
     model_types = ("gpt_oss",)
+    architectures = ("GptOssForCausalLM",)
 
     def sliding_window(self, config, layer):
         types = config.get("layer_types") or [

@@ -13,6 +13,7 @@ from metal_cluster.stage_worker.families.base import Family
 
 class Qwen3Moe(Family):
     model_types = ("qwen3_moe",)
+    architectures = ("Qwen3MoeForCausalLM",)
     reads_sliding_window = False
 
     def check_weights(self, config, where):
@@ -21,6 +22,7 @@ class Qwen3Moe(Family):
 
 class Mixtral(Family):
     model_types = ("mixtral",)
+    architectures = ("MixtralForCausalLM",)
     reads_sliding_window = False  # mlx-lm's mixtral attends to the whole context
 
     def kv_geometry(self, config):
@@ -36,6 +38,7 @@ class Mixtral(Family):
 
 class Glm4Moe(Family):
     model_types = ("glm4_moe",)
+    architectures = ("Glm4MoeForCausalLM",)
     reads_sliding_window = False
 
     def check_weights(self, config, where):

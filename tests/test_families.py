@@ -1,0 +1,76 @@
+"""The MoE and sliding-window families (tiny_models.MORE_FAMILIES) held to the runner suite's checks:
+greedy tokens equal mlx-lm's own generation in float32 (one request, packed, chunked, prefix hit,
+preempted), and a stage chain cut through dense/MoE and sliding/global layers equals the whole."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import load
+
+import tiny_models
+from references import mlx_lm_greedy
+from test_runner import (PROMPTS, make_runner, test_chunked_prefill_mixed_with_decodes,  # noqa: F401
+                         test_eight_requests_packed_in_one_batch, test_one_request, test_preempted_and_resumed,
+                         test_shared_prefix_blocks)
+
+from metal_cluster.stage_worker.errors import ModelLoadError
+from metal_cluster.stage_worker.model_source import resolve_model
+from metal_cluster.stage_worker.shard import load_shard
+
+
+@pytest.fixture(scope="session", params=tiny_models.MORE_FAMILIES)
+def more_model(request, tmp_path_factory):
+    return tiny_models.build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), num_layers=6)
+
+
+@pytest.fixture(scope="module")
+def family(more_model):
+    ref_model, tokenizer = load(str(more_model))
+    return resolve_model(more_model), ref_model, [tokenizer.encode(p) for p in PROMPTS]
+
+
+def test_stage_chain_equals_whole_model(family):
+    """Stages [0,1) [1,3) [3,6): the first boundary cuts dense from MoE (qwen3_moe, glm4_moe), the
+    others sliding from global layers (gpt_oss, gemma3)."""
+    source, _, prompts = family
+    whole = make_runner(source)
+    chain = [make_runner(source, a, b) for a, b in ((0, 1), (1, 3), (3, 6))]
+    from metal_cluster.proto import pb
+    from scheduler_double import SchedulerDouble
+    import test_runner
+
+    def run_chain(step):
+        hidden = None
+        for runner in chain:
+            out = runner.step(step, hidden)
+            hidden = out.hidden
+        return {r: s.token_id for r, s in out.sampled.items()}
+
+    def run_whole(step):
+        return {r: s.token_id for r, s in whole.step(step).sampled.items()}
+
+    results = []
+    for run in (run_whole, run_chain):
+        sched = SchedulerDouble(run, test_runner.NUM_BLOCKS, test_runner.BLOCK_SIZE, chunk_size=7)
+        for i in (1, 3, 6):
+            sched.add(f"r{i}", prompts[i], 10)
+        results.append(sched.run())
+    assert results[0] == results[1]
+
+
+def test_missing_expert_tensor_is_one_line(more_model, tmp_path):
+    """A checkpoint that lacks one expert's tensor names the file and the tensor."""
+    import shutil
+
+    config = resolve_model(more_model).config
+    if config["model_type"] not in ("qwen3_moe", "glm4_moe", "mixtral"):
+        pytest.skip("per-expert tensors: the Hugging Face MoE layouts")
+    broken = tmp_path / "broken"
+    shutil.copytree(more_model, broken)
+    weights = mx.load(str(broken / "model.safetensors"))
+    name = next(n for n in weights if ".experts.1." in n)
+    del weights[name]
+    mx.save_safetensors(str(broken / "model.safetensors"), weights)
+    with pytest.raises(ModelLoadError) as e:
+        load_shard(resolve_model(broken))
+    message = str(e.value)
+    assert "\n" not in message and str(broken) in message and "experts.1" in message, message

@@ -63,18 +63,18 @@ TINY_WINDOW = 8
 
 
 def _family_config(family: str, num_layers: int, sliding_window: int | None) -> dict:
-    """What each of MORE_FAMILIES adds to the common config: experts, routing, windows. The first
-    layer of qwen3_moe and glm4_moe is dense, so stage boundaries can cut between dense and MoE."""
+    """What each of MORE_FAMILIES adds to the common config: experts, routing, windows. The first two
+    layers of qwen3_moe and glm4_moe are dense, so stage boundaries can cut between dense and MoE."""
     window = sliding_window or TINY_WINDOW
     if family == "qwen3_moe":
         return dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
-                    mlp_only_layers=[0], norm_topk_prob=True, attention_bias=False,
+                    mlp_only_layers=[0, 1], norm_topk_prob=True, attention_bias=False,
                     use_sliding_window=False, sliding_window=None)
     if family == "mixtral":
         return dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
     if family == "glm4_moe":
         return dict(n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
-                    n_group=2, topk_group=1, routed_scaling_factor=1.5, first_k_dense_replace=1,
+                    n_group=2, topk_group=1, routed_scaling_factor=1.5, first_k_dense_replace=2,
                     norm_topk_prob=True, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5)
     if family == "gpt_oss":
         return dict(num_local_experts=4, num_experts_per_tok=2, experts_per_token=2, sliding_window=window,

@@ -119,7 +119,7 @@ def up(
         from metal_cluster.stage_worker.dtypes import on_gpu  # MLX: only when this host runs a stage
 
         hosts = hosts + [placement.Host("this-host", "local", memory, local=True, gpu=on_gpu())]
-    cost = placement.ModelCost.from_config(source.config, on_gpu=all(h.gpu for h in hosts))
+    cost = placement.ModelCost.of_model(source.folder, source.config, on_gpu=all(h.gpu for h in hosts))
     try:
         stages = placement.plan(hosts, cost, gpu_memory_utilization, _max_model_len(extra, source.config))
     except placement.PlacementError as e:

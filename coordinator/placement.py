@@ -6,8 +6,8 @@ hold at the requested memory share: per layer its weights plus that layer's KV f
 tokens, never weights alone, after the fixed costs of its position (embedding, head, activations).
 """
 
-import math
 from dataclasses import dataclass
+from pathlib import Path
 
 GIB = 2**30
 
@@ -29,33 +29,55 @@ class Host:
 
 @dataclass
 class ModelCost:
-    num_layers: int
-    layer_bytes: int
+    layer_bytes: list[int]  # weights of each layer as a stage holds them, in global order
+    kv_bytes_per_token: list[int]  # each layer's KV per token
     embed_bytes: int  # first stage only
     head_bytes: int  # last stage only: norm + lm_head (the embedding again when tied)
-    kv_bytes_per_token_per_layer: int
     activation_bytes: int = 0  # reserve on every stage
 
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_bytes)
+
     @classmethod
-    def from_config(cls, config: dict, on_gpu: bool = False, activation_bytes: int = 256 * 2**20):
-        """Estimated from config.json alone. On GPUs (`on_gpu`: every host of the plan) weights cost
-        what the checkpoint stores and KV its dtype; on a CPU everything is float32 (DESIGN.md)."""
+    def uniform(cls, num_layers: int, layer_bytes: int, kv_bytes_per_token_per_layer: int, embed_bytes: int,
+                head_bytes: int, activation_bytes: int = 0) -> "ModelCost":
+        return cls([layer_bytes] * num_layers, [kv_bytes_per_token_per_layer] * num_layers, embed_bytes,
+                   head_bytes, activation_bytes)
+
+    @classmethod
+    def of_model(cls, folder, config: dict, on_gpu: bool = False, activation_bytes: int = 256 * 2**20) -> "ModelCost":
+        """Weights per layer from the checkpoint's safetensors headers (experts, dense layers and
+        quantization as they really are), KV per layer from its family; config arithmetic for GGUF."""
+        from metal_cluster.stage_worker.checkpoint_sizes import weight_bytes
+
+        estimate = cls.from_config(config, on_gpu, activation_bytes)
+        measured = weight_bytes(Path(folder), config, float32=not on_gpu) if folder else None
+        if measured is None:
+            return estimate
+        return cls(measured.layers, estimate.kv_bytes_per_token, measured.embed, measured.head, activation_bytes)
+
+    @classmethod
+    def from_config(cls, config: dict, on_gpu: bool = False, activation_bytes: int = 256 * 2**20) -> "ModelCost":
+        """Estimated from config.json alone (dense layers). On GPUs (`on_gpu`: every host of the plan)
+        weights cost what the checkpoint stores and KV its dtype; on a CPU everything is float32."""
+        from metal_cluster.stage_worker.families import REGISTRY, Family
+
         bytes_per_param, kv_bytes = (param_bytes(config), half_or_float32(config)) if on_gpu else (4, 4)
         hidden, inter = config["hidden_size"], config["intermediate_size"]
         heads = config["num_attention_heads"]
-        kv_heads = config.get("num_key_value_heads") or heads
-        head_dim = config.get("head_dim") or hidden // heads
+        kv_heads, head_dim = Family.kv_geometry(config)
         attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
         layer = attention + 3 * hidden * inter + 2 * hidden
         embed = config["vocab_size"] * hidden
-        return cls(
-            num_layers=config["num_hidden_layers"],
-            layer_bytes=int(layer * bytes_per_param),
-            embed_bytes=int(embed * bytes_per_param),
-            head_bytes=int((embed + hidden) * bytes_per_param),
-            kv_bytes_per_token_per_layer=2 * kv_heads * head_dim * kv_bytes,
-            activation_bytes=activation_bytes,
-        )
+        family = REGISTRY.get(config.get("model_type"))
+        if family is not None:
+            kv = [2 * c.kv_heads * c.head_dim * kv_bytes for c in family.layer_caches(config)]
+        else:
+            kv = [2 * kv_heads * head_dim * kv_bytes] * config["num_hidden_layers"]
+        return cls([int(layer * bytes_per_param)] * config["num_hidden_layers"], kv,
+                   embed_bytes=int(embed * bytes_per_param), head_bytes=int((embed + hidden) * bytes_per_param),
+                   activation_bytes=activation_bytes)
 
 
 def half_or_float32(config: dict) -> int:
@@ -87,17 +109,17 @@ def plan(hosts: list[Host], cost: ModelCost, utilization: float, kv_tokens: int)
     if not hosts:
         raise PlacementError("no hosts to place the model on")
     ordered = ring_order(hosts)
-    per_layer = cost.layer_bytes + cost.kv_bytes_per_token_per_layer * kv_tokens
+    per_layer = [w + kv * kv_tokens for w, kv in zip(cost.layer_bytes, cost.kv_bytes_per_token)]
     # The first and last stage carry extra weights; which hosts end up there depends on who is used,
-    # so charge them to the first and last host of the ring order and check again at the end.
-    capacity = []
+    # so charge them to the first and last host of the ring order.
+    room = []
     for k, host in enumerate(ordered):
         fixed = cost.activation_bytes + (cost.embed_bytes if k == 0 else 0)
         fixed += cost.head_bytes if k == len(ordered) - 1 else 0
-        capacity.append(max(0, int((utilization * host.memory_total - fixed) // per_layer)))
-    if sum(capacity) < cost.num_layers:
-        raise PlacementError(_shortfall(ordered, capacity, cost, per_layer, utilization, kv_tokens))
-    counts = _proportional(capacity, cost.num_layers)
+        room.append(max(0, int(utilization * host.memory_total - fixed)))
+    counts = _contiguous_split(per_layer, room)
+    if counts is None:
+        raise PlacementError(_shortfall(ordered, room, cost, per_layer, utilization, kv_tokens))
     stages, start = [], 0
     for host, n in zip(ordered, counts):
         if n:
@@ -106,26 +128,46 @@ def plan(hosts: list[Host], cost: ModelCost, utilization: float, kv_tokens: int)
     return stages
 
 
-def _proportional(capacity: list[int], total: int) -> list[int]:
-    """Split `total` layers in proportion to capacity, never above it (largest remainders first)."""
-    room = sum(capacity)
-    shares = [total * c / room for c in capacity]
-    counts = [min(c, math.floor(s)) for c, s in zip(capacity, shares)]
-    order = sorted(range(len(capacity)), key=lambda i: shares[i] - counts[i], reverse=True)
-    while sum(counts) < total:
-        for i in order:
-            if sum(counts) < total and counts[i] < capacity[i]:
-                counts[i] += 1
-    return counts
+def _contiguous_split(per_layer: list[int], room: list[int]) -> list[int] | None:
+    """Layers per host, in order: each host's share of the model's bytes in proportion to its room,
+    never above it. None when the hosts cannot hold every layer."""
+    total, capacity = sum(per_layer), sum(room)
+    if capacity <= 0:
+        return None
+    counts, i, done, target = [], 0, 0, 0.0
+    for k, r in enumerate(room):
+        target += total * r / capacity
+        held, n = 0, 0
+        last = k == len(room) - 1
+        while i < len(per_layer) and held + per_layer[i] <= r:
+            # Stop at the boundary nearest this host's cumulative target (the last host takes the rest).
+            if not last and done + per_layer[i] / 2 > target:
+                break
+            held += per_layer[i]
+            done += per_layer[i]
+            i, n = i + 1, n + 1
+        counts.append(n)
+    return counts if i == len(per_layer) else _fill(per_layer, room)
 
 
-def _shortfall(hosts, capacity, cost, per_layer, utilization, kv_tokens) -> str:
-    missing_layers = cost.num_layers - sum(capacity)
-    need = missing_layers * per_layer
+def _fill(per_layer: list[int], room: list[int]) -> list[int] | None:
+    """Each host as full as it holds, in order: the split of last resort."""
+    counts, i = [], 0
+    for r in room:
+        held, n = 0, 0
+        while i < len(per_layer) and held + per_layer[i] <= r:
+            held, i, n = held + per_layer[i], i + 1, n + 1
+        counts.append(n)
+    return counts if i == len(per_layer) else None
+
+
+def _shortfall(hosts, room, cost, per_layer, utilization, kv_tokens) -> str:
+    need = max(sum(per_layer) - sum(room), max(per_layer) - max(room))
     biggest = max(hosts, key=lambda h: h.memory_total)
     return (
         f"the model does not fit: {cost.num_layers} layers with KV for {kv_tokens} tokens need "
-        f"{per_layer / GIB:.2f} GiB per layer, and {len(hosts)} host(s) at {utilization:.0%} of their memory "
-        f"hold only {sum(capacity)}; {biggest.name} (the largest) lacks {need / GIB:.2f} GiB for the other "
-        f"{missing_layers} layer(s): add a host, raise --gpu-memory-utilization or lower --max-model-len"
+        f"{sum(per_layer) / GIB:.2f} GiB ({max(per_layer) / GIB:.2f} GiB for the heaviest layer), and "
+        f"{len(hosts)} host(s) at {utilization:.0%} of their memory hold {sum(room) / GIB:.2f} GiB after "
+        f"embedding, head and activations; {biggest.name} (the largest) lacks at least {max(need, 0) / GIB:.2f} GiB: "
+        f"add a host, raise --gpu-memory-utilization or lower --max-model-len"
     )

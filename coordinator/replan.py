@@ -111,7 +111,7 @@ def place(stages: list, healths: list, settings: Settings) -> tuple[list, list, 
                        gpu=h.device.endswith("gpu"))
         for s, h in zip(stages, healths)
     ]
-    cost = placement.ModelCost.from_config(settings.config, on_gpu=all(h.gpu for h in hosts))
+    cost = placement.ModelCost.of_model(settings.model, settings.config, on_gpu=all(h.gpu for h in hosts))
     try:
         stage_plans = placement.plan(hosts, cost, settings.utilization, settings.max_model_len)
     except placement.PlacementError as e:

@@ -5,8 +5,9 @@ import pytest
 from metal_cluster.coordinator.placement import GIB, Host, ModelCost, PlacementError, plan
 
 # Roughly a 1B model in float32: 16 layers of ~0.2 GiB, a 0.5 GiB embedding.
-COST = ModelCost(num_layers=16, layer_bytes=int(0.2 * GIB), embed_bytes=int(0.5 * GIB), head_bytes=int(0.5 * GIB),
-                 kv_bytes_per_token_per_layer=16 * 1024, activation_bytes=int(0.25 * GIB))
+COST = ModelCost.uniform(num_layers=16, layer_bytes=int(0.2 * GIB), embed_bytes=int(0.5 * GIB),
+                         head_bytes=int(0.5 * GIB), kv_bytes_per_token_per_layer=16 * 1024,
+                         activation_bytes=int(0.25 * GIB))
 
 
 def layers(stages):
@@ -56,19 +57,19 @@ def test_cost_from_a_config():
               "num_hidden_layers": 30, "vocab_size": 49152}
     cost = ModelCost.from_config(config)
     assert cost.num_layers == 30
-    assert 13e6 < cost.layer_bytes < 15e6  # ~3.5M parameters a layer in float32
-    assert cost.kv_bytes_per_token_per_layer == 2 * 3 * 64 * 4
+    assert all(13e6 < b < 15e6 for b in cost.layer_bytes)  # ~3.5M parameters a layer in float32
+    assert cost.kv_bytes_per_token == [2 * 3 * 64 * 4] * 30
 
 
 def test_cost_on_gpus_follows_the_checkpoint():
     config = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9, "num_key_value_heads": 3,
               "num_hidden_layers": 30, "vocab_size": 49152, "torch_dtype": "bfloat16"}
     cpu, gpu = ModelCost.from_config(config), ModelCost.from_config(config, on_gpu=True)
-    assert gpu.layer_bytes * 2 == cpu.layer_bytes  # bf16 kept on a GPU, float32 on a CPU
-    assert gpu.kv_bytes_per_token_per_layer * 2 == cpu.kv_bytes_per_token_per_layer
+    assert gpu.layer_bytes[0] * 2 == cpu.layer_bytes[0]  # bf16 kept on a GPU, float32 on a CPU
+    assert gpu.kv_bytes_per_token[0] * 2 == cpu.kv_bytes_per_token[0]
     four_bit = ModelCost.from_config({**config, "quantization": {"group_size": 64, "bits": 4}}, on_gpu=True)
-    assert four_bit.layer_bytes / cpu.layer_bytes == pytest.approx((0.5 + 4 / 64) / 4)
-    assert four_bit.kv_bytes_per_token_per_layer == gpu.kv_bytes_per_token_per_layer
+    assert four_bit.layer_bytes[0] / cpu.layer_bytes[0] == pytest.approx((0.5 + 4 / 64) / 4)
+    assert four_bit.kv_bytes_per_token == gpu.kv_bytes_per_token
     # A 4-bit model that fits GPU hosts only as stored.
     hosts = [Host("mac", "m:1", 1 * GIB, local=True, gpu=True)]
     fits = ModelCost.from_config({**config, "quantization": {"group_size": 64, "bits": 4}, "num_hidden_layers": 60},
@@ -76,3 +77,32 @@ def test_cost_on_gpus_follows_the_checkpoint():
     assert layers(plan(hosts, fits, 0.5, 1024)) == [("mac", 0, 60)]
     with pytest.raises(PlacementError):
         plan(hosts, ModelCost.from_config({**config, "num_hidden_layers": 60}, activation_bytes=0), 0.5, 1024)
+
+
+def test_moe_layers_cost_what_their_headers_say(tmp_path):
+    """A MoE checkpoint: its first two layers dense, the rest holding experts. Per-layer bytes come
+    from the safetensors headers, so the plan gives the host with more room more of the heavy layers
+    and never more than it holds."""
+    import json
+
+    import tiny_models
+
+    folder = tiny_models.build_tiny_model("qwen3_moe", tmp_path / "moe", num_layers=6)
+    config = json.loads((folder / "config.json").read_text())
+    cost = ModelCost.of_model(folder, config, activation_bytes=0)
+    dense, moe = cost.layer_bytes[0], cost.layer_bytes[2]
+    assert cost.layer_bytes[1] == dense and set(cost.layer_bytes[2:]) == {moe}
+    # 8 experts of 3 x 64 x 32 weights and a router, against one 3 x 64 x 128 MLP, all float32.
+    attention_and_norms = dense - 3 * 64 * 128 * 4
+    assert moe - attention_and_norms == (8 * 3 * 64 * 32 + 8 * 64) * 4
+    assert ModelCost.from_config(config).layer_bytes[2] < moe  # config arithmetic misses the experts
+    assert cost.embed_bytes == config["vocab_size"] * 64 * 4 and not cost.head_bytes < cost.embed_bytes
+    # Room for the embedding and head plus about half the layers' bytes on each of two hosts.
+    half = sum(cost.layer_bytes) // 2 + 2 * moe
+    hosts = [Host("me", "m:1", 2 * (cost.embed_bytes + half), local=True),
+             Host("other", "o:1", 2 * (cost.head_bytes + half))]
+    stages = plan(hosts, cost, 0.5, 0)
+    assert [(s.start, s.end) for s in stages][-1][1] == 6
+    for s, host in zip(stages, hosts):
+        fixed = cost.embed_bytes if s.start == 0 else cost.head_bytes
+        assert sum(cost.layer_bytes[s.start:s.end]) + fixed <= 0.5 * host.memory_total

@@ -1,0 +1,70 @@
+"""What each layer of a checkpoint weighs, read from its safetensors headers alone (no tensor data).
+
+Config arithmetic misses what a layer really holds: a MoE layer's experts make it many times a dense
+layer, the first dense layers of a MoE model are lighter, quantized tensors carry scales. The
+headers say exactly, per tensor. A stage on MLX's CPU backend computes in float32 and dequantizes
+(DESIGN.md), so there a tensor costs 4 bytes per value it stands for.
+"""
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+_ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
+             "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    layers: list[int]  # bytes of each layer, in global order
+    embed: int  # the input embedding
+    head: int  # the final norm and lm_head (0 for the head when it is tied to the embedding)
+    tied: bool
+
+
+def read_headers(folder: Path) -> dict[str, dict]:
+    """name -> {"dtype", "shape", "data_offsets"} over every model*.safetensors file of `folder`."""
+    tensors = {}
+    for path in sorted(Path(folder).glob("model*.safetensors")):
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        header.pop("__metadata__", None)
+        tensors.update(header)
+    return tensors
+
+
+def weight_bytes(folder: Path, config: dict, float32: bool) -> WeightBytes | None:
+    """Per-layer bytes as a stage holds them, or None when the folder has no safetensors (GGUF)."""
+    tensors = read_headers(folder)
+    if not tensors:
+        return None
+    bits = (config.get("quantization") or {}).get("bits")
+    layers = [0] * config["num_hidden_layers"]
+    embed = head = 0
+    for name, t in tensors.items():
+        n = _held_bytes(name, t, float32, bits)
+        if (m := _LAYER.search(name)) is not None:
+            i = int(m.group(1))
+            if i < len(layers):  # a layer past num_hidden_layers is an MTP head no stage runs
+                layers[i] += n
+        elif "embed_tokens" in name:
+            embed += n
+        else:
+            head += n
+    tied = not any(name.startswith("lm_head") for name in tensors)
+    return WeightBytes(layers, embed, head + (embed if tied else 0), tied)
+
+
+def _held_bytes(name: str, t: dict, float32: bool, bits: int | None) -> int:
+    stored = t["data_offsets"][1] - t["data_offsets"][0]
+    if not float32:
+        return stored
+    if name.endswith((".scales", ".biases")) and bits:
+        return 0  # folded into the float32 weight it scales
+    if bits and t["dtype"] == "U32":
+        return stored // 4 * (32 // bits) * 4  # 32 // bits values per packed word, 4 bytes each
+    return stored // _ITEMSIZE.get(t["dtype"], 4) * 4

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Serving on a GPU: this project's stages vs mlx-lm, same model folders, same run.
 
-Random-weight Qwen3-8B folders (bf16, and mlx-lm's 4-bit group-64 copy of it) are written once
+Random-weight folders of Qwen3-8B (or, with --shape qwen3-30b-a3b, the MoE Qwen3-30B-A3B; bf16, and mlx-lm's 4-bit
 into --work-dir. Then, per format, one after the other in this process:
 
 - mlx-lm: `mlx_lm.utils.load(folder)`; `generate_step` at batch 1, `BatchGenerator` at batch 32;
@@ -67,10 +67,23 @@ QWEN3_8B = dict(
     rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="bfloat16",
     max_position_embeddings=40960, hidden_act="silu", attention_bias=False, rope_scaling=None,
 )
+# Qwen3-30B-A3B: 128 experts, 8 per token, every layer MoE (served 4-bit: bf16 would be 61 GB).
+QWEN3_30B_A3B = dict(
+    architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_hidden_layers=48, hidden_size=2048,
+    intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+    decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, num_attention_heads=32,
+    num_key_value_heads=4, head_dim=128, vocab_size=151936, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    tie_word_embeddings=False, torch_dtype="bfloat16", max_position_embeddings=40960, hidden_act="silu",
+    attention_bias=False, rope_scaling=None,
+)
 # Same family and code paths, small enough for MLX's CPU backend; head_dim stays a multiple of 32
 # and every matrix's input a multiple of 64, so the paged kernel and 4-bit group-64 both apply.
 SMALL = {**QWEN3_8B, "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 768,
          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096}
+SMALL_MOE = {**QWEN3_30B_A3B, "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 768,
+             "moe_intermediate_size": 128, "num_experts": 16, "num_experts_per_tok": 4,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096}
+SHAPES = {"qwen3-8b": (QWEN3_8B, SMALL), "qwen3-30b-a3b": (QWEN3_30B_A3B, SMALL_MOE)}
 
 
 @dataclass
@@ -114,8 +127,8 @@ def free() -> None:
 
 # --- model folders --------------------------------------------------------------------------
 
-def folder_names(work_dir: Path, small: bool) -> dict[str, Path]:
-    tag = "qwen3-small" if small else "qwen3-8b"
+def folder_names(work_dir: Path, config: dict, small: bool) -> dict[str, Path]:
+    tag = config["model_type"].replace("_", "-") + ("-small" if small else f"-{config['num_hidden_layers']}l")
     return {fmt: work_dir / f"{tag}-{fmt}" for fmt in FORMATS}
 
 
@@ -126,7 +139,7 @@ def complete(folder: Path, config: dict) -> bool:
 
 
 def ensure_folders(work_dir: Path, config: dict, formats, small: bool) -> dict[str, Path]:
-    folders = folder_names(work_dir, small)
+    folders = folder_names(work_dir, config, small)
     missing = [f for f in formats if not complete(folders[f], config)]
     if not missing:
         print(f"model folders: reusing {', '.join(str(folders[f]) for f in formats)}", flush=True)
@@ -236,6 +249,9 @@ def weight_bytes(folder: Path, config: dict) -> dict:
     total = sum(sizes.values())
     embed = sum(v for k, v in sizes.items() if k.startswith("model.embed_tokens."))
     per_token = total - embed if not config.get("tie_word_embeddings") else total
+    if config.get("num_experts"):  # a batch-1 step reads only its token's experts
+        experts = sum(v for k, v in sizes.items() if ".switch_mlp." in k)
+        per_token -= experts * (1 - config["num_experts_per_tok"] / config["num_experts"])
     return dict(weight_bytes=total, weight_bytes_per_token=per_token, shards=len(list(folder.glob("model*.safetensors"))))
 
 
@@ -693,6 +709,7 @@ def main():
     ap.add_argument("--measures", default=",".join(MEASURES),
                     help="b1: decode batch 1; batch: decode batch 32, mixed prompts; ttft: time to first token")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/gpu-serving"), help="model folders (reused)")
+    ap.add_argument("--shape", default="qwen3-8b", choices=tuple(SHAPES), help="the model shape (random weights)")
     ap.add_argument("--small", action="store_true", help="a tiny shape and workload: a smoke test for the CPU")
     ap.add_argument("--memory-utilization", type=float, default=0.5, help="as serve's --gpu-memory-utilization")
     ap.add_argument("--step-timeout", type=float, default=60.0, help="seconds a pipeline step may take")
@@ -704,7 +721,7 @@ def main():
     sections = parse_list(args.sections, SECTIONS)
     formats = parse_list(args.formats, FORMATS)
     measures = parse_list(args.measures, MEASURES)
-    config = SMALL if args.small else QWEN3_8B
+    config = SHAPES[args.shape][1 if args.small else 0]
     wl = SMALL_WORKLOAD if args.small else Workload()
 
     results = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -21,6 +21,9 @@ class LayerCache:
     kv_heads: int
     head_dim: int
     sliding_window: int | None = None  # the layer attends to this many most recent tokens
+    # One array, no separate V: an MLA layer keeps its compressed latent (plus the roped key part)
+    # per token, and attention reads V out of the same entries.
+    shared_kv: bool = False
 
 
 class Family:

@@ -1,0 +1,114 @@
+"""DeepSeek V3's multi-head latent attention beyond the runner suite (tests/test_families.py holds it
+to that): the pool keeps one latent array per layer, vLLM is told so (MLAAttentionSpec), a checkpoint
+without kv_b_proj is one line, and `serve` over two pipeline stages equals mlx-lm's generation."""
+
+import concurrent.futures
+import json
+import shutil
+
+import mlx.core as mx
+import openai
+import pytest
+from mlx_lm.utils import load
+
+import tiny_models
+from references import mlx_lm_greedy
+from server_process import running_server
+
+from metal_cluster.stage_worker.errors import ModelLoadError
+from metal_cluster.stage_worker.families import LayerCache, family_of
+from metal_cluster.stage_worker.model_source import resolve_model
+from metal_cluster.stage_worker.paged_kv import KVPool, bytes_per_block
+from metal_cluster.stage_worker.shard import load_shard
+
+NUM_LAYERS = 6
+KV_LORA_RANK, ROPE_DIM = 32, 8  # tiny_models' deepseek_v3 config
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(tmp_path_factory):
+    return tiny_models.build_tiny_model("deepseek_v3", tmp_path_factory.mktemp("deepseek_v3"), num_layers=NUM_LAYERS)
+
+
+def test_latent_pool_is_one_array_per_layer(tiny_deepseek):
+    shard = load_shard(resolve_model(tiny_deepseek), 1, 3)
+    assert shard.caches == [LayerCache(1, KV_LORA_RANK + ROPE_DIM, shared_kv=True)] * 2
+    pool = KVPool.allocate(shard.caches, 10, 8, mx.float32)
+    assert [k.shape for k in pool.keys] == [(80, 1, KV_LORA_RANK + ROPE_DIM)] * 2
+    assert pool.values == [None, None]
+    per_block = 2 * 8 * (KV_LORA_RANK + ROPE_DIM) * 4  # two layers, one 40-wide float32 entry per token
+    assert bytes_per_block(shard.caches, 8, mx.float32) == per_block
+    assert pool.nbytes == 10 * per_block
+    pool.copy_blocks([(1, 2)])  # a shared_kv layer has no V to copy
+
+
+def test_kimi_k2_is_deepseek_v3(tiny_deepseek):
+    config = json.loads((tiny_deepseek / "config.json").read_text())
+    assert family_of({**config, "model_type": "kimi_k2"}, "x") is family_of(config, "x")
+
+
+def test_vllm_kv_spec_is_mla(tiny_deepseek):
+    """vLLM sizes blocks from the spec: one latent entry per token and layer, no V."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+    from metal_cluster.coordinator.executor import ClusterExecutor
+
+    executor = ClusterExecutor.__new__(ClusterExecutor)  # only its spec builder: no engine, no stages
+    executor.cache_config = type("CacheConfig", (), {"block_size": 16, "cache_dtype": "auto"})()
+    cache = family_of(json.loads((tiny_deepseek / "config.json").read_text()), "x").layer_caches(
+        json.loads((tiny_deepseek / "config.json").read_text()))[0]
+    spec = executor._layer_spec(cache, torch.bfloat16, FullAttentionSpec, MLAAttentionSpec)
+    assert isinstance(spec, MLAAttentionSpec)
+    assert spec.page_size_bytes == 16 * (KV_LORA_RANK + ROPE_DIM) * 2 == bytes_per_block([cache], 16, mx.bfloat16)
+
+
+def test_missing_kv_b_proj_is_one_line(tiny_deepseek, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_deepseek, broken)
+    weights = mx.load(str(broken / "model.safetensors"))
+    del weights["model.layers.2.self_attn.kv_b_proj.weight"]
+    mx.save_safetensors(str(broken / "model.safetensors"), weights)
+    with pytest.raises(ModelLoadError) as e:
+        load_shard(resolve_model(broken))
+    message = str(e.value)
+    assert "\n" not in message and str(broken) in message and "layers.2.self_attn" in message, message
+
+
+def test_missing_expert_tensor_is_one_line(tiny_deepseek, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_deepseek, broken)
+    weights = mx.load(str(broken / "model.safetensors"))
+    del weights["model.layers.3.mlp.experts.5.up_proj.weight"]
+    mx.save_safetensors(str(broken / "model.safetensors"), weights)
+    with pytest.raises(ModelLoadError) as e:
+        load_shard(resolve_model(broken))
+    message = str(e.value)
+    assert "\n" not in message and str(broken) in message and "experts.5.up_proj" in message, message
+
+
+PROMPTS = ["Hello world, this is a test", "A", "Numbers 12345 and 67890",
+           "The quick brown fox jumps over the lazy dog again and again and again until the dog wakes up"]
+
+
+def test_serve_two_stages_matches_mlx_lm(tiny_deepseek, tmp_path):
+    """Through vLLM's engine (MLA spec, chunked prefill over small batches) and two stage processes."""
+    ref_model, tokenizer = load(str(tiny_deepseek))
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    expected = [mlx_lm_greedy(ref_model, ids, 10) for ids in prompts]
+    args = ["--gpu-memory-utilization", "0.05", "--max-model-len", "512", "--max-num-batched-tokens", "32",
+            "--max-num-seqs", "8", "--served-model-name", "m", "-pp", "2"]
+    with running_server(tiny_deepseek, *args, log_path=tmp_path / "server.log") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+        def greedy(ids, n=10):
+            r = client.completions.create(model="m", prompt=ids, max_tokens=n, temperature=0,
+                                          extra_body={"ignore_eos": True, "return_token_ids": True})
+            return r.choices[0].token_ids
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(greedy, prompts)) == expected
+        longer = prompts[3] + prompts[0]  # a prefix-cache hit on the long prompt's blocks
+        assert greedy(longer, 8) == mlx_lm_greedy(ref_model, longer, 8)
+    log = (tmp_path / "server.log").read_text()
+    assert "2 local stage workers up" in log

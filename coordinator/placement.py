@@ -53,9 +53,19 @@ class ModelCost:
             layer_bytes=int(layer * bytes_per_param),
             embed_bytes=int(embed * bytes_per_param),
             head_bytes=int((embed + hidden) * bytes_per_param),
-            kv_bytes_per_token_per_layer=2 * kv_heads * head_dim * kv_bytes,
+            kv_bytes_per_token_per_layer=kv_values_per_token_per_layer(config) * kv_bytes,
             activation_bytes=activation_bytes,
         )
+
+
+def kv_values_per_token_per_layer(config: dict) -> int:
+    """Values a token keeps in the paged pool of its largest layer, as its family lays the layers out
+    (an MLA layer keeps one latent entry, far less than GQA arithmetic on its heads would say). A
+    config of no known family counts K and V of its attention heads."""
+    from metal_cluster.stage_worker.families import REGISTRY, Family  # imports MLX (not its device)
+
+    family = REGISTRY.get(config.get("model_type")) or Family()
+    return max((1 if c.shared_kv else 2) * c.kv_heads * c.head_dim for c in family.layer_caches(config))
 
 
 def half_or_float32(config: dict) -> int:

@@ -42,9 +42,17 @@ def test_latent_pool_is_one_array_per_layer(tiny_deepseek):
     pool.copy_blocks([(1, 2)])  # a shared_kv layer has no V to copy
 
 
-def test_kimi_k2_is_deepseek_v3(tiny_deepseek):
-    config = json.loads((tiny_deepseek / "config.json").read_text())
-    assert family_of({**config, "model_type": "kimi_k2"}, "x") is family_of(config, "x")
+def test_kimi_k2_is_deepseek_v3(tiny_deepseek, tmp_path):
+    """Kimi K2's config.json says model_type kimi_k2: mlx-lm and vLLM both read it as DeepSeek V3."""
+    from vllm.transformers_utils.config import get_config
+
+    kimi = tmp_path / "kimi"
+    shutil.copytree(tiny_deepseek, kimi)
+    config = json.loads((kimi / "config.json").read_text())
+    (kimi / "config.json").write_text(json.dumps({**config, "model_type": "kimi_k2"}))
+    assert get_config(str(kimi), trust_remote_code=False).kv_lora_rank == KV_LORA_RANK
+    shard = load_shard(resolve_model(kimi), 0, 2)
+    assert shard.family is family_of(config, "x") and shard.caches[0].shared_kv
 
 
 def test_vllm_kv_spec_is_mla(tiny_deepseek):
@@ -112,3 +120,14 @@ def test_serve_two_stages_matches_mlx_lm(tiny_deepseek, tmp_path):
         assert greedy(longer, 8) == mlx_lm_greedy(ref_model, longer, 8)
     log = (tmp_path / "server.log").read_text()
     assert "2 local stage workers up" in log
+
+
+def test_placement_counts_the_latent(tiny_deepseek):
+    """DeepSeek V3's shape: one 576-wide entry per token and layer, not K and V of 128 heads."""
+    from metal_cluster.coordinator.placement import ModelCost
+
+    config = json.loads((tiny_deepseek / "config.json").read_text())
+    assert ModelCost.from_config(config).kv_bytes_per_token_per_layer == (KV_LORA_RANK + ROPE_DIM) * 4
+    v3 = {**config, "num_attention_heads": 128, "num_key_value_heads": 128, "hidden_size": 7168,
+          "kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64, "torch_dtype": "bfloat16"}
+    assert ModelCost.from_config(v3, on_gpu=True).kv_bytes_per_token_per_layer == 576 * 2

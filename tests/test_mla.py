@@ -64,8 +64,8 @@ def test_vllm_kv_spec_is_mla(tiny_deepseek):
 
     executor = ClusterExecutor.__new__(ClusterExecutor)  # only its spec builder: no engine, no stages
     executor.cache_config = type("CacheConfig", (), {"block_size": 16, "cache_dtype": "auto"})()
-    cache = family_of(json.loads((tiny_deepseek / "config.json").read_text()), "x").layer_caches(
-        json.loads((tiny_deepseek / "config.json").read_text()))[0]
+    config = json.loads((tiny_deepseek / "config.json").read_text())
+    cache = family_of(config, "x").layer_caches(config)[0]
     spec = executor._layer_spec(cache, torch.bfloat16, FullAttentionSpec, MLAAttentionSpec)
     assert isinstance(spec, MLAAttentionSpec)
     assert spec.page_size_bytes == 16 * (KV_LORA_RANK + ROPE_DIM) * 2 == bytes_per_block([cache], 16, mx.bfloat16)
@@ -131,3 +131,17 @@ def test_placement_counts_the_latent(tiny_deepseek):
     v3 = {**config, "num_attention_heads": 128, "num_key_value_heads": 128, "hidden_size": 7168,
           "kv_lora_rank": 512, "qk_rope_head_dim": 64, "head_dim": 64, "torch_dtype": "bfloat16"}
     assert ModelCost.from_config(v3, on_gpu=True).kv_bytes_per_token_per_layer == 576 * 2
+
+
+def test_routing_bias_keeps_its_dtype(tiny_deepseek):
+    """A half-precision stage casts the weights but not what mlx-lm's cast_predicate keeps."""
+    from mlx_lm.utils import load_model
+
+    from metal_cluster.stage_worker import dtypes
+
+    model, _ = load_model(tiny_deepseek, lazy=True)
+    dtypes.settle(model, mx.bfloat16)
+    layer = model.model.layers[1]
+    assert layer.mlp.gate.e_score_correction_bias.dtype == mx.float32
+    assert layer.mlp.gate.weight.dtype == layer.self_attn.q_a_proj.weight.dtype == mx.bfloat16
+    assert layer.self_attn.embed_q.weight.dtype == mx.bfloat16

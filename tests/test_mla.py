@@ -5,10 +5,12 @@ without kv_b_proj is one line, and `serve` over two pipeline stages equals mlx-l
 import concurrent.futures
 import json
 import shutil
+from itertools import accumulate
 
 import mlx.core as mx
 import openai
 import pytest
+from mlx.utils import tree_map
 from mlx_lm.utils import load
 
 import tiny_models
@@ -145,3 +147,60 @@ def test_routing_bias_keeps_its_dtype(tiny_deepseek):
     assert layer.mlp.gate.e_score_correction_bias.dtype == mx.float32
     assert layer.mlp.gate.weight.dtype == layer.self_attn.q_a_proj.weight.dtype == mx.bfloat16
     assert layer.self_attn.embed_q.weight.dtype == mx.bfloat16
+
+
+@pytest.mark.parametrize("q_lora_rank", [None, 24])
+def test_paged_latent_attention_equals_mlx_lm_module(q_lora_rank):
+    """One layer, two steps over the paged pool (prompt chunks, then a chunk with cached context
+    beside a decode and a fresh prompt), against mlx-lm's own attention with its KV cache. Both
+    query paths (q_proj, and q_a/q_b with q_lora_rank) and both forms (expanded, absorbed)."""
+    from types import SimpleNamespace
+
+    from mlx_lm.models import deepseek_v3
+    from mlx_lm.models.base import create_attention_mask
+    from mlx_lm.models.cache import KVCache
+
+    from metal_cluster.kernels.metadata import AttentionMetadata
+    from metal_cluster.stage_worker.attention import LayerContext
+    from metal_cluster.stage_worker.families.deepseek_v3 import PagedLatentAttention
+
+    mx.random.seed(3)
+    args = deepseek_v3.ModelArgs(hidden_size=32, num_attention_heads=4, kv_lora_rank=KV_LORA_RANK,
+                                 q_lora_rank=q_lora_rank, qk_rope_head_dim=ROPE_DIM, qk_nope_head_dim=16,
+                                 v_head_dim=12)
+    attn = deepseek_v3.DeepseekV3Attention(args)
+    attn.update(tree_map(lambda p: mx.random.normal(p.shape) / p.shape[-1] ** 0.5, attn.parameters()))
+    paged = PagedLatentAttention(attn)
+    block_size, tables = 4, {"a": [3, 7, 1], "b": [2, 5], "c": [4, 6]}
+    pool = KVPool.allocate([LayerCache(1, KV_LORA_RANK + ROPE_DIM, shared_kv=True)], 8, block_size, mx.float32)
+    lengths = {"a": (5, 4), "b": (6, 1), "c": (0, 6)}  # tokens in step 1, then in step 2
+    x = {r: mx.random.normal((sum(n), 32)) for r, n in lengths.items()}
+
+    def step(which):
+        rows = [(r, 0 if which == 1 else lengths[r][0], lengths[r][which - 1]) for r in lengths if lengths[r][which - 1]]
+        pos = [p for r, start, n in rows for p in range(start, start + n)]
+        slots = [tables[r][p // block_size] * block_size + p % block_size for r, start, n in rows
+                 for p in range(start, start + n)]
+        width = max(len(t) for t in tables.values())
+        meta = AttentionMetadata(
+            cu_seqlens_q=mx.array([0] + list(accumulate(n for _, _, n in rows)), dtype=mx.int32),
+            seq_lens=mx.array([s + n for _, s, n in rows], dtype=mx.int32),
+            block_tables=mx.array([tables[r] + [0] * (width - len(tables[r])) for r, _, _ in rows], dtype=mx.int32),
+            block_size=block_size, query_lens_host=[n for _, _, n in rows], seq_lens_host=[s + n for _, s, n in rows])
+        batch = SimpleNamespace(positions=mx.array(pos, dtype=mx.int32), slot_mapping=mx.array(slots, dtype=mx.int32),
+                                attn=meta)
+        h = mx.concatenate([x[r][s : s + n] for r, s, n in rows])[None]
+        out = paged(h, None, LayerContext(batch, pool, 0))[0]
+        return dict(zip([r for r, _, _ in rows], mx.split(out, list(accumulate(n for _, _, n in rows))[:-1])))
+
+    got = [step(1), step(2)]
+    for r, (first, second) in lengths.items():
+        cache, expected = KVCache(), []
+        for chunk in (x[r][:first], x[r][first:]):
+            if chunk.shape[0]:
+                h = chunk[None]
+                expected.append(attn(h, create_attention_mask(h, cache, return_array=True), cache)[0])
+        ours = [g[r] for g in got if r in g]
+        assert len(ours) == len(expected)
+        for o, e in zip(ours, expected):
+            assert mx.allclose(o, e, atol=1e-5, rtol=1e-5).item(), (r, mx.abs(o - e).max().item())

@@ -60,7 +60,7 @@ def test_kimi_k2_is_deepseek_v3(tiny_deepseek, tmp_path):
 def test_vllm_kv_spec_is_mla(tiny_deepseek):
     """vLLM sizes blocks from the spec: one latent entry per token and layer, no V."""
     import torch
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     from metal_cluster.coordinator.executor import ClusterExecutor
 
@@ -68,7 +68,7 @@ def test_vllm_kv_spec_is_mla(tiny_deepseek):
     executor.cache_config = type("CacheConfig", (), {"block_size": 16, "cache_dtype": "auto"})()
     config = json.loads((tiny_deepseek / "config.json").read_text())
     cache = family_of(config, "x").layer_caches(config)[0]
-    spec = executor._layer_spec(cache, torch.bfloat16, FullAttentionSpec, MLAAttentionSpec)
+    spec = executor._layer_spec(cache, torch.bfloat16)
     assert isinstance(spec, MLAAttentionSpec)
     assert spec.page_size_bytes == 16 * (KV_LORA_RANK + ROPE_DIM) * 2 == bytes_per_block([cache], 16, mx.bfloat16)
 
@@ -177,7 +177,8 @@ def test_paged_latent_attention_equals_mlx_lm_module(q_lora_rank):
     x = {r: mx.random.normal((sum(n), 32)) for r, n in lengths.items()}
 
     def step(which):
-        rows = [(r, 0 if which == 1 else lengths[r][0], lengths[r][which - 1]) for r in lengths if lengths[r][which - 1]]
+        rows = [(r, 0 if which == 1 else lengths[r][0], lengths[r][which - 1])
+                for r in lengths if lengths[r][which - 1]]
         pos = [p for r, start, n in rows for p in range(start, start + n)]
         slots = [tables[r][p // block_size] * block_size + p % block_size for r, start, n in rows
                  for p in range(start, start + n)]

@@ -65,7 +65,7 @@ def kv_values_per_token_per_layer(config: dict) -> int:
     from metal_cluster.stage_worker.families import REGISTRY, Family  # imports MLX (not its device)
 
     family = REGISTRY.get(config.get("model_type")) or Family()
-    return max((1 if c.shared_kv else 2) * c.kv_heads * c.head_dim for c in family.layer_caches(config))
+    return max(c.values_per_token for c in family.layer_caches(config))
 
 
 def half_or_float32(config: dict) -> int:

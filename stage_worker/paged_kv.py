@@ -74,4 +74,4 @@ class KVPool:
 def bytes_per_block(caches, block_size: int, dtype: mx.Dtype) -> int:
     """Memory one block id costs on a stage holding the layers of `caches` (K and V, or the one
     latent array of a shared_kv layer)."""
-    return sum((1 if c.shared_kv else 2) * block_size * c.kv_heads * c.head_dim * dtype.size for c in caches)
+    return sum(block_size * c.values_per_token * dtype.size for c in caches)

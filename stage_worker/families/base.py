@@ -25,6 +25,11 @@ class LayerCache:
     # per token, and attention reads V out of the same entries.
     shared_kv: bool = False
 
+    @property
+    def values_per_token(self) -> int:
+        """Values one token costs this layer's pool (K and V, or the one shared entry)."""
+        return (1 if self.shared_kv else 2) * self.kv_heads * self.head_dim
+
 
 class Family:
     model_types: tuple[str, ...] = ()

@@ -149,11 +149,16 @@ def test_routing_bias_keeps_its_dtype(tiny_deepseek):
     assert layer.self_attn.embed_q.weight.dtype == mx.bfloat16
 
 
-@pytest.mark.parametrize("q_lora_rank", [None, 24])
-def test_paged_latent_attention_equals_mlx_lm_module(q_lora_rank):
+@pytest.mark.parametrize("q_lora_rank,batched_decodes", [(None, True), (24, True), (24, False)])
+def test_paged_latent_attention_equals_mlx_lm_module(q_lora_rank, batched_decodes, monkeypatch):
     """One layer, two steps over the paged pool (prompt chunks, then a chunk with cached context
     beside a decode and a fresh prompt), against mlx-lm's own attention with its KV cache. Both
-    query paths (q_proj, and q_a/q_b with q_lora_rank) and both forms (expanded, absorbed)."""
+    query paths (q_proj, and q_a/q_b with q_lora_rank), both forms (expanded, absorbed) and both
+    ways the reference serves decodes (batched, or one by one past BATCHED_DECODE_MAX_CONTEXT)."""
+    from metal_cluster.kernels import reference
+
+    if not batched_decodes:
+        monkeypatch.setattr(reference, "BATCHED_DECODE_MAX_CONTEXT", 0)
     from types import SimpleNamespace
 
     from mlx_lm.models import deepseek_v3

@@ -9,6 +9,7 @@ fraction of what GQA arithmetic on 128 heads would say. Attention over it: `kern
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import deepseek_v3
 
 from metal_cluster.kernels.mla import paged_mla_attention
 from metal_cluster.stage_worker.attention import _rope
@@ -22,8 +23,9 @@ class DeepseekV3(Family):
     reads_sliding_window = False
 
     def layer_caches(self, config):
-        width = config["kv_lora_rank"] + config["qk_rope_head_dim"]
-        return [LayerCache(1, width, shared_kv=True) for _ in range(config["num_hidden_layers"])]
+        args = deepseek_v3.ModelArgs.from_dict(config)  # mlx-lm's defaults where config.json is silent
+        width = args.kv_lora_rank + args.qk_rope_head_dim
+        return [LayerCache(1, width, shared_kv=True) for _ in range(args.num_hidden_layers)]
 
     def paged_attention(self, attn, cache):
         return PagedLatentAttention(attn)

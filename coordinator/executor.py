@@ -116,7 +116,6 @@ class ClusterExecutor(Executor):
     # --- KV cache sizing: one entry per stage; vLLM takes the minimum block count over them ----------
     def get_kv_cache_specs(self):
         import torch
-        from vllm.v1.kv_cache_interface import FullAttentionSpec
 
         config = json.loads((Path(self.model_config.model) / "config.json").read_text())
         caches = family_of(config, self.model_config.model).layer_caches(config)
@@ -125,12 +124,19 @@ class ClusterExecutor(Executor):
             # The stage's own KV dtype, so that vLLM's page size, and with it its block count, is the real one.
             dtype = getattr(torch, r.dtype or "float32")
             specs.append({
-                f"model.layers.{i}.self_attn.attn": FullAttentionSpec(
-                    block_size=self.cache_config.block_size, num_kv_heads=caches[i].kv_heads,
-                    head_size=caches[i].head_dim, dtype=dtype)
+                f"model.layers.{i}.self_attn.attn": self._layer_spec(caches[i], dtype)
                 for i in range(a, b)
             })
         return specs
+
+    def _layer_spec(self, cache, dtype):
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
+
+        common = dict(block_size=self.cache_config.block_size, num_kv_heads=cache.kv_heads,
+                      head_size=cache.head_dim, dtype=dtype)
+        if cache.shared_kv:  # one latent entry per token, no separate V (MLA)
+            return MLAAttentionSpec(**common, cache_dtype_str=self.cache_config.cache_dtype)
+        return FullAttentionSpec(**common)
 
     def get_supported_kv_cache_layouts(self):
         return [["LBNHC"]] * len(self.pipeline)

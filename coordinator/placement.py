@@ -70,11 +70,10 @@ class ModelCost:
         attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
         layer = attention + 3 * hidden * inter + 2 * hidden
         embed = config["vocab_size"] * hidden
-        family = REGISTRY.get(config.get("model_type"))
-        if family is not None:
-            kv = [2 * c.kv_heads * c.head_dim * kv_bytes for c in family.layer_caches(config)]
-        else:
-            kv = [2 * kv_heads * head_dim * kv_bytes] * config["num_hidden_layers"]
+        family = REGISTRY.get(config.get("model_type")) or Family()
+        # As each layer lays out its pool: an MLA layer keeps one latent entry, far less than GQA
+        # arithmetic on its heads would say.
+        kv = [c.values_per_token * kv_bytes for c in family.layer_caches(config)]
         return cls([int(layer * bytes_per_param)] * config["num_hidden_layers"], kv,
                    embed_bytes=int(embed * bytes_per_param), head_bytes=int((embed + hidden) * bytes_per_param),
                    activation_bytes=activation_bytes)

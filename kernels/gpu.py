@@ -576,6 +576,7 @@ def supports(q, k_pool, meta: AttentionMetadata, v_pool=None, kernel_only: bool 
     head_dim, heads, kv_heads = q.shape[2], q.shape[1], k_pool.shape[2]
     v_pool = k_pool if v_pool is None else v_pool
     if not (head_dim % 32 == 0 and head_dim <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 16
+            and v_pool.shape[-1] == head_dim  # MLA's latent V is narrower than its K: the reference
             and q.dtype in (mx.float32, mx.bfloat16, mx.float16) and k_pool.dtype == v_pool.dtype == q.dtype):
         return False
     return kernel_only or is_decode(q, meta) or PREFILL_KERNEL_ENABLED

@@ -10,7 +10,7 @@ from collections import Counter
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten
+from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.utils import dequantize_model
 
 NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
@@ -56,7 +56,14 @@ def model_weights(model: nn.Module) -> dict[str, mx.array]:
 def settle(model: nn.Module, dtype: mx.Dtype) -> None:
     """Cast the model to its stage's compute dtype, in place (lazily: nothing is read yet).
 
+    Parameters the model's `cast_predicate` excludes keep their stored dtype, as mlx-lm keeps them
+    (DeepSeek V3's and GLM's float32 routing biases: rounded, they would pick other experts).
     float32 (the CPU path) also dequantizes: scales go to float32 first, so the values are exact."""
-    model.set_dtype(dtype)
+    cast = getattr(model, "cast_predicate", None)
+    if cast is None:
+        model.set_dtype(dtype)
+    else:
+        model.update(tree_unflatten([(k, v.astype(dtype)) for k, v in tree_flatten(model.parameters())
+                                     if cast(k) and mx.issubdtype(v.dtype, mx.floating)]), strict=False)
     if dtype == mx.float32:
         dequantize_model(model)

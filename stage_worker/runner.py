@@ -83,7 +83,7 @@ class StageRunner:
         if not step.stage_keeps_tokens:
             # A stage in a pipeline finishes its step's work before it answers: work still queued
             # in MLX's threads when the process re-executes itself for a new plan can take it down.
-            mx.eval(hidden, self.pool.keys, self.pool.values)
+            mx.eval(hidden, self.pool.arrays)
         if not self.shard.is_last:
             out.hidden = hidden
             return out

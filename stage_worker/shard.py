@@ -74,7 +74,7 @@ def _load_folder_model(source: ModelSource) -> nn.Module:
     except KeyError as e:  # mlx-lm's sanitize looks up a tensor the checkpoint does not have
         raise ModelLoadError(f"cannot load weights from {source.folder}: tensor {e.args[0]} is missing") from None
     except (ValueError, FileNotFoundError) as e:
-        raise ModelLoadError(f"cannot load weights from {source.folder}: {_first_line(e)}") from None
+        raise ModelLoadError(f"cannot load weights from {source.folder}: {_one_line(e)}") from None
     return model
 
 
@@ -127,5 +127,10 @@ def _keep_only(inner: nn.Module, model: nn.Module, start: int, end: int, num_lay
         model.pop("lm_head", None)
 
 
-def _first_line(e: Exception) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+def _one_line(e: Exception, names: int = 3) -> str:
+    """mlx's "Missing N parameters: \n a,\n b, ..." as one line naming the first few."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+    rest = lines[1:]
+    if len(rest) > names:
+        rest = rest[:names] + [f"... and {len(rest) - names} more"]
+    return " ".join([lines[0], *rest])

@@ -62,7 +62,7 @@ def test_missing_expert_tensor_is_one_line(more_model, tmp_path):
     import shutil
 
     config = resolve_model(more_model).config
-    if config["model_type"] not in ("qwen3_moe", "glm4_moe", "mixtral"):
+    if config["model_type"] not in ("qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3"):
         pytest.skip("per-expert tensors: the Hugging Face MoE layouts")
     broken = tmp_path / "broken"
     shutil.copytree(more_model, broken)

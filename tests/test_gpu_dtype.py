@@ -62,7 +62,10 @@ def num_layers(folder) -> int:
 
 
 def expected_bytes_per_block(folder, layers: int, itemsize: int) -> int:
-    kv_heads, head_dim = Family.kv_geometry(json.loads((folder / "config.json").read_text()))
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("kv_lora_rank"):  # MLA: one latent entry per token and layer
+        return layers * BLOCK_SIZE * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * itemsize
+    kv_heads, head_dim = Family.kv_geometry(config)
     return 2 * layers * BLOCK_SIZE * kv_heads * head_dim * itemsize  # K and V
 
 
@@ -201,7 +204,7 @@ def assert_stage_computes_in(host, assigned, folder, dtype):
     assert assigned.dtype == name and host.dtype == dtype
     assert {str(v.dtype) for _, v in tree_flatten(host.shard.model.parameters())} == {str(dtype)}
     pool = host.runner.pool
-    assert {a.dtype for a in pool.keys + pool.values} == {dtype}
+    assert {a.dtype for a in pool.arrays} == {dtype}
     assert assigned.bytes_per_block == expected_bytes_per_block(folder, num_layers(folder), dtype.size)
     assert host.health().kv_dtype == name
 

@@ -30,7 +30,7 @@ from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normaliz
 
 FAMILIES = ("llama", "qwen2", "qwen3")
 # Held to the same checks by their own suite (tests/test_families.py), not by every FAMILIES test.
-MORE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "gemma3_text")
+MORE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "gemma3_text", "deepseek_v3")
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Not special (as in Qwen2.5): they must survive skip_special_tokens, because vLLM's hermes
@@ -50,14 +50,15 @@ QWEN_PRETOKENIZE_REGEX = (
 
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-         "gpt_oss": "GptOssForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+         "gpt_oss": "GptOssForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 # Llama is untied, the Qwens tied, so both lm_head paths are exercised by default.
 _TIED = {"llama": False, "qwen2": True, "qwen3": True, "qwen3_moe": False, "mixtral": False, "glm4_moe": True,
-         "gpt_oss": False, "gemma3_text": True}
+         "gpt_oss": False, "gemma3_text": True, "deepseek_v3": False}
 # Checkpoint dtypes: config.json's torch_dtype name -> the MLX dtype the safetensors hold.
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 _ROPE_THETA = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0, "qwen3_moe": 1000000.0,
-               "mixtral": 1000000.0, "glm4_moe": 1000000.0, "gpt_oss": 150000.0, "gemma3_text": 1000000.0}
+               "mixtral": 1000000.0, "glm4_moe": 1000000.0, "gpt_oss": 150000.0, "gemma3_text": 1000000.0,
+               "deepseek_v3": 10000.0}
 # A window a few tokens long, so the tests' prompts reach past it.
 TINY_WINDOW = 8
 
@@ -89,6 +90,16 @@ def _family_config(family: str, num_layers: int, sliding_window: int | None) -> 
                     final_logit_softcapping=None, attn_logit_softcapping=None,
                     layer_types=["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                                  for i in range(num_layers)])
+    if family == "deepseek_v3":
+        # MLA with a low-rank query (q_lora_rank, as V3 and Kimi K2 have) and V3's YaRN scaling
+        # (mscale_all_dim changes the softmax scale); transformers sets head_dim to the rope part.
+        return dict(kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                    head_dim=8, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                    moe_intermediate_size=32, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+                    first_k_dense_replace=1, moe_layer_freq=1, norm_topk_prob=True, topk_method="noaux_tc",
+                    scoring_func="sigmoid", attention_bias=False,
+                    rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
+                                  "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
     return {}
 
 
@@ -97,7 +108,16 @@ def _hf_expert_names(family: str, weights: dict) -> dict:
     The tiny MoE folders use the Hugging Face layout, so loading goes through mlx-lm's sanitize."""
     out = {}
     for name, w in weights.items():
-        if ".switch_mlp." not in name or family not in ("qwen3_moe", "glm4_moe", "mixtral"):
+        if family == "deepseek_v3" and name.endswith(".embed_q.weight"):
+            # MLA: Hugging Face keeps one kv_b_proj [H * (nope + v), kv_lora_rank]; mlx-lm's sanitize
+            # splits it into embed_q [H, kv_lora_rank, nope] and unembed_out [H, v, kv_lora_rank].
+            prefix = name.removesuffix(".embed_q.weight")
+            wv = weights[f"{prefix}.unembed_out.weight"]
+            out[f"{prefix}.kv_b_proj.weight"] = mx.concatenate([w.swapaxes(-1, -2), wv], axis=1).reshape(-1, w.shape[1])
+            continue
+        if family == "deepseek_v3" and name.endswith(".unembed_out.weight"):
+            continue
+        if ".switch_mlp." not in name or family not in ("qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3"):
             out[name] = w
             continue
         prefix, proj_param = name.split(".switch_mlp.")

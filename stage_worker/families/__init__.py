@@ -3,12 +3,14 @@ line in FAMILIES; nothing else in the runner knows which family it runs."""
 
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.families.base import Family, LayerCache
+from metal_cluster.stage_worker.families.deepseek_v3 import DeepseekV3
 from metal_cluster.stage_worker.families.dense import Llama, Qwen
 from metal_cluster.stage_worker.families.gemma3 import Gemma3
 from metal_cluster.stage_worker.families.gpt_oss import GptOss
 from metal_cluster.stage_worker.families.moe import Glm4Moe, Mixtral, Qwen3Moe
 
-FAMILIES: tuple[Family, ...] = (Llama(), Qwen(), Qwen3Moe(), Mixtral(), Glm4Moe(), GptOss(), Gemma3())
+FAMILIES: tuple[Family, ...] = (Llama(), Qwen(), Qwen3Moe(), Mixtral(), Glm4Moe(), GptOss(), Gemma3(),
+                               DeepseekV3())
 REGISTRY: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
 SUPPORTED_MODEL_TYPES = tuple(REGISTRY)
 

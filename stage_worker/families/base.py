@@ -21,6 +21,14 @@ class LayerCache:
     kv_heads: int
     head_dim: int
     sliding_window: int | None = None  # the layer attends to this many most recent tokens
+    # One array, no separate V: an MLA layer keeps its compressed latent (plus the roped key part)
+    # per token, and attention reads V out of the same entries.
+    shared_kv: bool = False
+
+    @property
+    def values_per_token(self) -> int:
+        """Values one token costs this layer's pool (K and V, or the one shared entry)."""
+        return (1 if self.shared_kv else 2) * self.kv_heads * self.head_dim
 
 
 class Family:

@@ -173,3 +173,16 @@ def test_token_command_creates_the_file_once(tmp_path, monkeypatch):
     assert first == second and len(first[1]) >= 24
     path = tmp_path / "metal-cluster" / "token"
     assert first[0] == str(path) and oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_every_grpc_port_and_channel_goes_through_cluster_tls():
+    """Only stage_worker/cluster_tls.py opens gRPC ports and channels, so none can skip the TLS."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    direct = ("insecure_channel", "add_insecure_port", "secure_channel(", "add_secure_port(")
+    offenders = [f"{path.relative_to(root)}: {word}"
+                 for folder in ("coordinator", "stage_worker") for path in sorted((root / folder).rglob("*.py"))
+                 if path.name != "cluster_tls.py" and not path.name.endswith("_pb2_grpc.py")
+                 for word in direct if word in path.read_text()]
+    assert offenders == [], "open gRPC ports and channels with cluster_tls.add_port / cluster_tls.channel"

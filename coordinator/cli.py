@@ -39,6 +39,24 @@ def main(
         os.environ.setdefault(TOKEN_FILE_ENV, settings["token_file"])  # the environment wins over the file
 
 
+def _max_body_option():
+    return typer.Option(8 * 2**20, min=1, help="Largest request body the OpenAI API reads (bytes); larger ones get 413.")
+
+
+def _max_waiting_option():
+    return typer.Option(512, min=0, help=(
+        "Requests that may wait beyond the --max-num-seqs running ones; past that a request gets 503 with Retry-After."))
+
+
+def _set_admission(max_body: int, max_waiting: int) -> None:
+    import os
+
+    from metal_cluster.coordinator import admission
+
+    os.environ[admission.MAX_BODY_ENV] = str(max_body)
+    os.environ[admission.MAX_WAITING_ENV] = str(max_waiting)
+
+
 def _stage_timeout_option():
     return typer.Option(
         15.0, min=1, help="Seconds a stage may miss heartbeats before it counts as lost and the cluster re-plans.")
@@ -57,6 +75,8 @@ def serve(
         1, "--pipeline-parallel-size", "-pp", min=1, help="Split the layers over this many local stage-worker processes."
     ),
     stage_timeout: float = _stage_timeout_option(),
+    max_request_body_bytes: int = _max_body_option(),
+    max_waiting_requests: int = _max_waiting_option(),
 ):
     """Serve the OpenAI API on this machine. Other flags go to vLLM with vLLM's names
     (--max-model-len, --max-num-seqs, --gpu-memory-utilization, --api-key, --tool-call-parser, ...)."""
@@ -65,6 +85,7 @@ def serve(
     source = _resolve(model)
     workers = pipeline_parallel_size if pipeline_parallel_size > 1 else 0
     _set_stage_timeout(stage_timeout)
+    _set_admission(max_request_body_bytes, max_waiting_requests)
     typer.echo(f"metal-cluster: serving {_served_name(source)} on one machine", err=True)
     _run_server(source, host, port, gpu_memory_utilization, extra, local_stages=workers)
 
@@ -85,6 +106,8 @@ def up(
     local_worker: bool = typer.Option(True, help="Run a stage on this host too."),
     cluster_token: str = typer.Option(None, help="Shared secret (else $METAL_CLUSTER_TOKEN, else the token file)."),
     stage_timeout: float = _stage_timeout_option(),
+    max_request_body_bytes: int = _max_body_option(),
+    max_waiting_requests: int = _max_waiting_option(),
 ):
     """Coordinate a cluster: discover workers, place the layers, start the stages, serve the OpenAI API."""
     import os
@@ -104,6 +127,7 @@ def up(
              f"or pass --cluster-token / set {TOKEN_ENV}")
     os.environ[TOKEN_ENV] = token  # for the executor and the local worker
     _set_stage_timeout(stage_timeout)
+    _set_admission(max_request_body_bytes, max_waiting_requests)
     console = Console(stderr=True, soft_wrap=True)  # one line per event, whatever the width
     try:
         ip = cluster.interface_ip(interface)

@@ -25,6 +25,7 @@ def vllm_argv(source: ModelSource, served_name: str, host: str, port: int, extra
         "--enable-prefix-caching",
         "--enable-chunked-prefill",
         "--middleware", "metal_cluster.coordinator.http_routes.cluster_routes",
+        "--middleware", "metal_cluster.coordinator.admission.Admission",
     ]
     if not _has_flag(extra, "--served-model-name"):
         argv += ["--served-model-name", served_name]

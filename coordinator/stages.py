@@ -14,7 +14,8 @@ import grpc
 
 from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.proto import cluster_pb2_grpc as pb_grpc
-from metal_cluster.stage_worker.auth import call_metadata, resolve_token
+from metal_cluster.stage_worker import cluster_tls
+from metal_cluster.stage_worker.auth import resolve_token
 
 MAX_MESSAGE = 256 * 1024 * 1024
 
@@ -108,18 +109,27 @@ class RemoteStage:
         self.name = address
         self.timeout_s = timeout_s
         self.step_timeout_s = step_timeout_s
-        self.metadata = call_metadata(token if token is not None else resolve_token())
-        self.channel = grpc.insecure_channel(
-            address,
-            options=[("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)],
-        )
+        try:
+            self.channel = cluster_tls.channel(
+                address, token or resolve_token(),
+                options=[("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)],
+            )
+        except cluster_tls.NoTokenError as e:
+            raise StageCallError(f"stage {address}: {e}", grpc.StatusCode.UNAUTHENTICATED) from None
         self.stub = pb_grpc.StageStub(self.channel)
+
+    def _error(self, e: grpc.RpcError) -> StageCallError:
+        """A failed TLS handshake is a refusal (UNAUTHENTICATED), not a worker still starting."""
+        refused = cluster_tls.refusal(e.details())
+        if refused:
+            return StageCallError(f"stage {self.name}: {refused}", grpc.StatusCode.UNAUTHENTICATED)
+        return StageCallError(f"stage {self.name}: {e.details() or e.code().name}", e.code())
 
     def _call(self, method, req, timeout=None):
         try:
-            return method(req, timeout=timeout or self.timeout_s, metadata=self.metadata)
+            return method(req, timeout=timeout or self.timeout_s)
         except grpc.RpcError as e:
-            raise StageCallError(f"stage {self.name}: {e.details() or e.code().name}", e.code()) from None
+            raise self._error(e) from None
 
     def assign(self, req):
         return self._call(self.stub.Assign, req)
@@ -151,13 +161,13 @@ class RemoteStage:
 
     def submit(self, req) -> Future:
         out = Future()
-        call = self.stub.Step.future(req, timeout=self.step_timeout_s, metadata=self.metadata)
+        call = self.stub.Step.future(req, timeout=self.step_timeout_s)
 
         def done(c):
             try:
                 out.set_result(c.result())
             except grpc.RpcError as e:
-                out.set_exception(StageCallError(f"stage {self.name}: {e.details() or e.code().name}", e.code()))
+                out.set_exception(self._error(e))
 
         call.add_done_callback(done)
         return out

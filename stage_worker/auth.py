@@ -1,4 +1,4 @@
-"""The cluster token: a shared secret every RPC between coordinator and workers carries.
+"""The cluster token: the shared secret the cluster's TLS is keyed by (cluster_tls.py).
 
 It comes from --cluster-token, the METAL_CLUSTER_TOKEN environment variable, or the token file
 that `metal-cluster token` creates. The file's place is $METAL_CLUSTER_TOKEN_FILE when set (the
@@ -6,18 +6,12 @@ config file's `token_file` sets it), else ~/.config/metal-cluster/token. It neve
 TXT records or logs.
 """
 
-import hmac
-import logging
 import os
 import secrets
 from pathlib import Path
 
-import grpc
-
 TOKEN_ENV = "METAL_CLUSTER_TOKEN"
 TOKEN_FILE_ENV = "METAL_CLUSTER_TOKEN_FILE"
-METADATA_KEY = "x-metal-cluster-token"
-log = logging.getLogger("metal_cluster.auth")
 
 
 def token_file() -> Path:
@@ -50,30 +44,3 @@ def create_token_file() -> tuple[Path, str]:
     with os.fdopen(fd, "w") as f:
         f.write(token + "\n")
     return path, token
-
-
-def call_metadata(token: str | None) -> tuple:
-    return ((METADATA_KEY, token),) if token else ()
-
-
-class TokenCheck(grpc.ServerInterceptor):
-    """Refuses every RPC whose token is missing or wrong, with one log line saying which."""
-
-    def __init__(self, token: str):
-        self.token = token.encode()
-
-    def intercept_service(self, continuation, handler_call_details):
-        sent = dict(handler_call_details.invocation_metadata or ()).get(METADATA_KEY)
-        if sent is not None and hmac.compare_digest(sent.encode(), self.token):
-            return continuation(handler_call_details)
-        why = "no cluster token" if sent is None else "a wrong cluster token"
-        log.warning("refused %s: the caller sent %s", handler_call_details.method.rsplit("/", 1)[-1], why)
-        return _refusal(f"the worker refused the call: {why} (use the same --cluster-token, "
-                        f"{TOKEN_ENV} or token file on every host)")
-
-
-def _refusal(message: str):
-    def abort(request, context):
-        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
-
-    return grpc.unary_unary_rpc_method_handler(abort)

@@ -16,7 +16,7 @@ import grpc
 
 from metal_cluster.proto import cluster_pb2_grpc as pb_grpc
 from metal_cluster.proto import pb
-from metal_cluster.stage_worker.auth import TokenCheck
+from metal_cluster.stage_worker import cluster_tls
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.host import StageHost, StageStateError, VersionError, check_version
 from metal_cluster.stage_worker.request_table import StepError
@@ -136,21 +136,23 @@ def serve(host: str, port: int, ring_port: int, token: str, advertise_ip: str | 
     reset = PendingReset()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc"),
-        interceptors=[TokenCheck(token)],
         options=[("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)],
     )
     stage = StageHost(node_id=os.environ.get(NODE_ID_ENV), ring_port=ring_port)
     os.environ[NODE_ID_ENV] = stage.node_id
     pb_grpc.add_StageServicer_to_server(StageService(stage, stop, reset), server)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        # Mutual TLS keyed by the token: a caller from another cluster, or a plaintext one, fails the
+        # handshake (grpc logs one "Handshake failed" line here) and never reaches a handler.
+        bound = cluster_tls.add_port(server, f"{host}:{port}", token, stage.node_id)
     except RuntimeError:  # grpc's way of saying the address is not this host's, or the port is taken
         bound = 0
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port}: use an address of this host (--host or --interface) "
                       "and a free --port")
     server.start()
-    log.info("worker %s listening on %s:%d (ring port %d)", stage.node_id, host, bound, ring_port)
+    log.info("worker %s listening on %s:%d, TLS for cluster %s (ring port %d)", stage.node_id, host, bound,
+             cluster_tls.fingerprint(token), ring_port)
     advertiser = None
     if advertise_ip:
         from metal_cluster.stage_worker.advertise import Advertiser

@@ -30,11 +30,32 @@ def _ip(*args, ns=None):
     subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30)
 
 
+def bridge_namespace() -> str:
+    """The namespace holding the bridge of this process's `lan` (where all traffic between hosts passes)."""
+    return f"mcbr{os.getpid() % 10000}"
+
+
+# Every frame on the bridge's ports into one file until SIGTERM (no tcpdump needed: a packet socket).
+CAPTURE = """
+import signal, socket, sys
+s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(3))
+s.settimeout(0.2)
+stop = []
+signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+with open(sys.argv[1], "wb") as out:
+    while not stop:
+        try:
+            out.write(s.recv(262144))
+        except (socket.timeout, InterruptedError):
+            pass
+"""
+
+
 @contextlib.contextmanager
 def lan(hosts: int, net: int = 77):
     """Yield [(namespace, address)] for `hosts` hosts on one bridged segment."""
     tag = f"{os.getpid() % 10000}"
-    bridge = f"mcbr{tag}"
+    bridge = bridge_namespace()
     names = [f"mch{tag}x{i}" for i in range(hosts)]
     created = []
     try:

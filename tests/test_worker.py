@@ -49,7 +49,7 @@ def assign(stage, model, start, end, block_size=16):
 def step_status(stage, step):
     stub = pb_grpc.StageStub(stage.channel)
     with pytest.raises(grpc.RpcError) as err:
-        stub.Step(step, timeout=60, metadata=stage.metadata)
+        stub.Step(step, timeout=60)
     return err.value.code(), err.value.details()
 
 
@@ -109,20 +109,51 @@ def test_a_quarter_stage_holds_a_quarter_of_the_model(tmp_path):
     assert quarter < 0.4 * whole, f"a 2-of-8-layer stage grew by {quarter / 2**20:.0f} MiB vs {whole / 2**20:.0f} MiB"
 
 
-@pytest.mark.parametrize("token", [None, "wrong"])
-def test_a_call_without_the_right_token_is_refused(tmp_path, monkeypatch, token):
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "no-config"))  # no token file to fall back on
-    monkeypatch.delenv("METAL_CLUSTER_TOKEN", raising=False)
+def handshake_refusals(log_path) -> list[str]:
+    return [line for line in log_path.read_text().splitlines() if "Handshake failed" in line]
+
+
+def test_another_clusters_host_and_a_plaintext_client_are_refused(tmp_path, monkeypatch):
+    """Mutual TLS keyed by the token: a coordinator of another cluster is refused by the worker (and
+    refuses it: `up` leaves it out saying why, at once rather than after its wait for a booting
+    worker), a plaintext gRPC client is refused with one line in the worker's log. (A coordinator of
+    another cluster rejects the worker's certificate before it shows its own: TLS 1.3 ends there, and
+    the line is the coordinator's.)"""
+    from rich.console import Console
+
+    from metal_cluster.coordinator import up as cluster
+
     log = tmp_path / "worker.log"
     with worker_process(log) as stage:
-        intruder = RemoteStage(stage.name, token=token or "")
-        with pytest.raises(StageCallError, match="refused the call"):
+        assert handshake_refusals(log) == []
+
+        intruder = RemoteStage(stage.name, token="another-clusters-token")
+        with pytest.raises(StageCallError, match="not from this cluster's token") as refused:
             intruder.health()
         intruder.close()
-        assert stage.health().state == "idle"  # the right token still works
-    why = "no cluster token" if token is None else "a wrong cluster token"
-    refusals = [line for line in log.read_text().splitlines() if "refused Health" in line]
-    assert len(refusals) == 1 and why in refusals[0]
+        assert refused.value.code == grpc.StatusCode.UNAUTHENTICATED
+
+        console = Console(file=open(tmp_path / "up.out", "w"), width=400)
+        started = time.monotonic()
+        assert cluster.discover("127.0.0.1", stage.name, False, 30, 0, "another-clusters-token", console) == []
+        console.file.close()
+        assert time.monotonic() - started < 10
+        said = (tmp_path / "up.out").read_text()
+        assert f"left out {stage.name}" in said and "not from this cluster's token" in said, said
+        before = len(handshake_refusals(log))
+
+        plain = grpc.insecure_channel(stage.name)
+        with pytest.raises(grpc.RpcError) as err:
+            pb_grpc.StageStub(plain).Health(pb.HealthRequest(version=PROTO_VERSION), timeout=10)
+        plain.close()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        time.sleep(0.5)  # the worker's log line is written as the handshake ends, maybe after the client saw it
+        lines = handshake_refusals(log)
+        assert len(lines) == before + 1 and "WRONG_VERSION_NUMBER" in lines[-1], lines
+
+        assert stage.health().state == "idle"  # the cluster's own coordinator still gets through
+    assert len(handshake_refusals(log)) == before + 1
+    assert "TLS for cluster" in log.read_text()
 
 
 def test_worker_without_any_token_does_not_start(tmp_path, monkeypatch):
@@ -142,3 +173,16 @@ def test_token_command_creates_the_file_once(tmp_path, monkeypatch):
     assert first == second and len(first[1]) >= 24
     path = tmp_path / "metal-cluster" / "token"
     assert first[0] == str(path) and oct(path.stat().st_mode & 0o777) == "0o600"
+
+
+def test_every_grpc_port_and_channel_goes_through_cluster_tls():
+    """Only stage_worker/cluster_tls.py opens gRPC ports and channels, so none can skip the TLS."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    direct = ("insecure_channel", "add_insecure_port", "secure_channel(", "add_secure_port(")
+    offenders = [f"{path.relative_to(root)}: {word}"
+                 for folder in ("coordinator", "stage_worker") for path in sorted((root / folder).rglob("*.py"))
+                 if path.name != "cluster_tls.py" and not path.name.endswith("_pb2_grpc.py")
+                 for word in direct if word in path.read_text()]
+    assert offenders == [], "open gRPC ports and channels with cluster_tls.add_port / cluster_tls.channel"

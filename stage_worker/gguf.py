@@ -32,7 +32,10 @@ import numpy as np
 from metal_cluster.stage_worker.errors import ModelLoadError
 
 # GGUF `general.architecture` -> the Hugging Face class name that config.json announces.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM"}
+# Where llama.cpp's architecture name is not mlx-lm's model_type.
+_MODEL_TYPES = {"qwen3moe": "qwen3_moe"}
 
 # GGUF token types (llama.cpp's llama_token_type); these two must never be split by BPE.
 _CONTROL, _USER_DEFINED = 3, 4
@@ -113,7 +116,7 @@ def hf_config(metadata: dict, tensor_names: Iterable[str]) -> dict:
     get = lambda key, default=None: _arch_value(metadata, key, default)  # noqa: E731
     hidden, heads = get("embedding_length"), get("attention.head_count")
     config = {
-        "model_type": arch,
+        "model_type": _MODEL_TYPES.get(arch, arch),
         "architectures": [ARCHITECTURES[arch]],
         "hidden_size": hidden,
         "intermediate_size": get("feed_forward_length"),
@@ -129,6 +132,12 @@ def hf_config(metadata: dict, tensor_names: Iterable[str]) -> dict:
         "tie_word_embeddings": "output.weight" not in names,
         "torch_dtype": "float32",  # MLX's CPU backend is fastest in float32 (DESIGN.md)
     }
+    if get("expert_count"):
+        # llama.cpp's qwen3moe: every layer sparse, top-k weights renormalised.
+        config.update(num_experts=get("expert_count"), num_experts_per_tok=get("expert_used_count"),
+                      moe_intermediate_size=get("expert_feed_forward_length"), decoder_sparse_step=1,
+                      mlp_only_layers=[], norm_topk_prob=True)
+        config["intermediate_size"] = config["intermediate_size"] or config["moe_intermediate_size"]
     scaling = get("rope.scaling.type")
     if scaling and scaling != "none":
         config["rope_scaling"] = {"rope_type": scaling, "factor": get("rope.scaling.factor")}
@@ -316,6 +325,11 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # Experts, stacked [experts, out, in] as mlx-lm's SwitchGLU holds them.
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.switch_mlp.gate_proj",
+    "ffn_up_exps": "mlp.switch_mlp.up_proj",
+    "ffn_down_exps": "mlp.switch_mlp.down_proj",
 }
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 

@@ -286,3 +286,92 @@ def test_prepared_folder_loads_offline_and_is_reused(folder):
     assert prepare_gguf_folder(default_model_gguf(), folder.parent) == folder
     assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temp dir left behind
+
+
+# --- MoE: qwen3moe as llama.cpp writes it ------------------------------------------------------
+
+
+def write_qwen3moe_gguf(folder, path):
+    """The tiny qwen3_moe folder as llama.cpp's converter lays it out: `qwen3moe` metadata, experts
+    stacked in `blk.N.ffn_{gate,up,down}_exps`, the router in `ffn_gate_inp`, float32 tensors, the
+    tokenizer as a byte-level BPE vocabulary and merges."""
+    import gguf as gguf_lib
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import load_model
+
+    config = json.loads((folder / "config.json").read_text())
+    model, _ = load_model(folder)
+    writer = gguf_lib.GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    writer.add_expert_count(config["num_experts"])
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = {**tok["model"]["vocab"], **{t["content"]: t["id"] for t in tok["added_tokens"]}}
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    specials = {t["content"]: t["special"] for t in tok["added_tokens"]}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if specials.get(t) else 4 if t in specials else 1 for t in tokens])
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate": "ffn_gate_inp",
+             "mlp.switch_mlp.gate_proj": "ffn_gate_exps", "mlp.switch_mlp.up_proj": "ffn_up_exps",
+             "mlp.switch_mlp.down_proj": "ffn_down_exps"}
+    top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    for name, w in tree_flatten(model.parameters()):
+        module, _, suffix = name.rpartition(".")
+        if module.startswith("model.layers."):
+            _, _, i, rest = module.split(".", 3)
+            target = f"blk.{i}.{names[rest]}.{suffix}"
+        else:
+            target = f"{top[module]}.{suffix}"
+        writer.add_tensor(target, np.array(w.astype(mx.float32)))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_qwen3moe_gguf_serves_token_exact(tmp_path):
+    """A qwen3moe GGUF loads through the same path as any GGUF (config, tokenizer and weights from
+    the one file) and decodes what mlx-lm decodes from the weights it was written from."""
+    from mlx_lm.utils import load
+
+    import tiny_models
+    from references import mlx_lm_greedy
+    from test_runner import BLOCK_SIZE, NUM_BLOCKS, PROMPTS, make_runner
+    from scheduler_double import SchedulerDouble
+
+    from metal_cluster.stage_worker.model_source import resolve_model
+
+    folder = tiny_models.build_tiny_model("qwen3_moe", tmp_path / "moe", config_overrides={"mlp_only_layers": []})
+    write_qwen3moe_gguf(folder, tmp_path / "moe.gguf")
+    source = resolve_model(tmp_path / "moe.gguf")
+    assert source.config["model_type"] == "qwen3_moe" and source.config["num_experts"] == 8
+    ref_model, tokenizer = load(str(folder))
+    runner = make_runner(source)
+    sched = SchedulerDouble(lambda step: {r: s.token_id for r, s in runner.step(step).sampled.items()},
+                            NUM_BLOCKS, BLOCK_SIZE, chunk_size=7)
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:3]]
+    for i, ids in enumerate(prompts):
+        sched.add(f"r{i}", ids, 10)
+    out = sched.run()
+    for i, ids in enumerate(prompts):
+        assert out[f"r{i}"] == mlx_lm_greedy(ref_model, ids, 10), f"request {i}"
+    from transformers import AutoTokenizer
+
+    assert AutoTokenizer.from_pretrained(source.folder).encode(PROMPTS[1]) == prompts[1]

@@ -328,10 +328,12 @@ def _init_weights(model, seed: int, gain_of_one: float = 1.0) -> dict[str, mx.ar
 def build_tiny_model(family: str, out_dir: Path, *, num_layers: int = 4, hidden_size: int = 64,
                      intermediate_size: int = 128, num_heads: int = 4, num_kv_heads: int = 2,
                      head_dim: int | None = None, tie_word_embeddings: bool | None = None,
-                     sliding_window: int | None = None, seed: int = 0, dtype: str = "float32") -> Path:
+                     sliding_window: int | None = None, seed: int = 0, dtype: str = "float32",
+                     config_overrides: dict | None = None) -> Path:
     """Write a tiny random model of `family` into `out_dir` (created) and return it.
 
     `dtype` is the checkpoint's dtype name (a key of DTYPES): the float32 draws rounded to it.
+    `config_overrides` replace config.json keys (e.g. which layers are dense).
     """
     if family not in FAMILIES + MORE_FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + MORE_FAMILIES}")
@@ -357,6 +359,7 @@ def build_tiny_model(family: str, out_dir: Path, *, num_layers: int = 4, hidden_
         head_dim=head_dim, tie=tie, sliding_window=sliding_window,
         vocab_size=tok.get_vocab_size(with_added_tokens=True), bos_id=bos_id, eos_id=eos_id, dtype=dtype,
     )
+    config.update(config_overrides or {})
 
     # Parameter names and shapes come from mlx-lm's own model class, so they are exactly what
     # mlx_lm.utils.load expects (and, for these families, the Hugging Face names too).

@@ -48,17 +48,18 @@ def paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, scale: float, sl
     with no value (GPT-OSS). Returns [total_q, H, D].
     """
     backend = gpu_backend()
-    if backend is None or sinks is not None or not _fast.supports(q, k_pool, meta, v_pool):
+    if backend is None or not _fast.supports(q, k_pool, meta, v_pool):
         return paged_attention_reference(q, k_pool, v_pool, meta, scale, sliding_window, sinks)
     split = _split_batch(meta)
     if split is None:
-        return _fast.paged_attention_kernel(q, k_pool, v_pool, meta, scale, sliding_window, backend=backend)
+        return _fast.paged_attention_kernel(q, k_pool, v_pool, meta, scale, sliding_window, backend=backend, sinks=sinks)
     parts, order = split
     if order is None:
-        return paged_attention_reference(q, k_pool, v_pool, meta, scale, sliding_window)
+        return paged_attention_reference(q, k_pool, v_pool, meta, scale, sliding_window, sinks)
     outs = [
-        paged_attention_reference(q[rows], k_pool, v_pool, sub, scale, sliding_window) if kind == "large"
-        else _fast.paged_attention_kernel(q[rows], k_pool, v_pool, sub, scale, sliding_window, backend=backend)
+        paged_attention_reference(q[rows], k_pool, v_pool, sub, scale, sliding_window, sinks) if kind == "large"
+        else _fast.paged_attention_kernel(q[rows], k_pool, v_pool, sub, scale, sliding_window, backend=backend,
+                                          sinks=sinks)
         for kind, rows, sub in parts
     ]
     return mx.concatenate(outs, axis=0)[order]

@@ -195,7 +195,7 @@ _DECODE_BODY = """
     m[g] = NEG_BIG;
     l[g] = 0.0f;
   }}
-
+{decode_sinks}
   const GLOBAL int* table = block_tables + (INDEX)r * max_blocks;
   // The trip count depends only on the warp (its first key), never on the lane: the shuffles
   // inside need every lane of the warp. Keys past k_end are loaded clamped and weigh 0.
@@ -293,6 +293,27 @@ _DECODE_BODY = """
   }}
 """
 
+# Learned attention sinks (GPT-OSS): a per-head logit that joins the softmax with no value. It
+# seeds one online softmax per (query, head) with m = sink, l = exp(sink - m) = 1; in a decode only
+# the first slot of the first split takes it, since the merges add the slots' and splits' sums.
+_DECODE_SINKS = """
+  if (slot == 0 && split == 0) {{
+    UNROLL for (int g = 0; g < G; ++g) {{
+      m[g] = static_cast<float>(sinks[kvh * G + g]);
+      l[g] = 1.0f;
+    }}
+  }}
+"""
+_PREFILL_SINKS = """
+  UNROLL for (int rr = 0; rr < RPW; ++rr) {{
+    const int row = warp * RPW + rr;
+    if (row < ROWS) {{
+      m[rr] = static_cast<float>(sinks[kvh * G + row % G]);
+      l[rr] = 1.0f;
+    }}
+  }}
+"""
+
 # Where a decode threadgroup's merged row goes: straight to the output, or to the split partials.
 _DECODE_STORE_FINAL = "out[((INDEX)q_row * H + h) * D + d] = static_cast<T>(o / L);"
 _DECODE_STORE_SPLIT = """const INDEX ph = ((INDEX)q_row * H + h) * num_splits + split;
@@ -370,7 +391,7 @@ _PREFILL_BODY = """
     l[rr] = 0.0f;
     for (int i = 0; i < DPL; ++i) acc[rr][i] = 0.0f;
   }}
-
+{prefill_sinks}
   const GLOBAL int* table = block_tables + (INDEX)r * max_blocks;
   const int kj = lane % BK;   // score phase: this lane's key in the tile
   const int kpart = lane / BK; // ... and which interleaved half of the head dim it sums (`half` is a type)
@@ -442,9 +463,10 @@ def prefill_tile_tokens(gqa: int) -> int:
 
 
 def kernel_source(kind: str, backend: str, head_dim: int, gqa: int, itemsize: int = 2,
-                  keys_per_step: int | None = None) -> tuple[str, str]:
+                  keys_per_step: int | None = None, sinks: bool = False) -> tuple[str, str]:
     """(header, body) of one kernel for one backend. `kind`: decode, decode_split, reduce, prefill.
-    `itemsize` (bytes per q/K/V element) sets the decode kernel's load width."""
+    `itemsize` (bytes per q/K/V element) sets the decode kernel's load width; `sinks`: the kernel
+    takes a `sinks` input, one logit per query head."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}")
     vec, lanes_per_key = decode_layout(head_dim, itemsize)
@@ -465,6 +487,8 @@ def kernel_source(kind: str, backend: str, head_dim: int, gqa: int, itemsize: in
         body = _PREFILL_BODY
     else:
         raise ValueError(f"unknown kernel {kind!r}")
+    body = body.replace("{decode_sinks}", _DECODE_SINKS if sinks else "")
+    body = body.replace("{prefill_sinks}", _PREFILL_SINKS if sinks else "")
     source = _PROLOGUE[backend] + _CONSTANTS.format(**fields) + body.format(**fields)
     return _MACROS[backend] + _COMMON_MACROS, source
 
@@ -479,14 +503,17 @@ _OUTPUTS = {"decode": ["out"], "decode_split": ["part_o", "part_ml"], "reduce": 
 
 
 @lru_cache(maxsize=None)
-def build_kernel(kind: str, backend: str, head_dim: int, gqa: int, itemsize: int = 2, keys_per_step: int | None = None):
+def build_kernel(kind: str, backend: str, head_dim: int, gqa: int, itemsize: int = 2, keys_per_step: int | None = None,
+                 sinks: bool = False):
     keys_per_step = keys_per_step or keys_per_warp_step(gqa)
-    header, source = kernel_source(kind, backend, head_dim, gqa, itemsize, keys_per_step)
+    sinks = sinks and kind != "reduce"
+    header, source = kernel_source(kind, backend, head_dim, gqa, itemsize, keys_per_step, sinks)
     # MLX caches compiled kernels by name: the name carries every compile-time choice.
     vec, _ = decode_layout(head_dim, itemsize)
-    name = f"paged_attn_{kind}_d{head_dim}_g{gqa}_v{vec}_u{keys_per_step}"
+    name = f"paged_attn_{kind}_d{head_dim}_g{gqa}_v{vec}_u{keys_per_step}" + ("_sinks" if sinks else "")
     make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
-    return make(name=name, input_names=_INPUTS[kind], output_names=_OUTPUTS[kind], source=source, header=header)
+    inputs = _INPUTS[kind] + (["sinks"] if sinks else [])
+    return make(name=name, input_names=inputs, output_names=_OUTPUTS[kind], source=source, header=header)
 
 
 # --- planning (pure Python) -----------------------------------------------------------------
@@ -583,20 +610,22 @@ def supports(q, k_pool, meta: AttentionMetadata, v_pool=None, kernel_only: bool 
 
 
 def paged_attention_kernel(q, k_pool, v_pool, meta: AttentionMetadata, scale: float, sliding_window=None,
-                           backend: str = "metal"):
+                           backend: str = "metal", sinks=None):
     """The fast path behind `metal_cluster.kernels.paged_attention` (same contract)."""
     total_q, heads, head_dim = q.shape
     kv_heads = k_pool.shape[2]
     gqa = heads // kv_heads
     num_reqs = len(meta.seq_lens_host)
     window = sliding_window if sliding_window else 0
+    extra = [] if sinks is None else [sinks.astype(mx.float32)]
     if is_decode(q, meta):
-        return _decode(q, k_pool, v_pool, meta, scale, window, backend, num_reqs, kv_heads, gqa)
+        return _decode(q, k_pool, v_pool, meta, scale, window, backend, num_reqs, kv_heads, gqa, extra)
     step = _step_arrays(meta, scale, kv_heads, window, 0, 1)
     tiles = prefill_num_tiles(total_q, num_reqs, gqa)
-    kernel = build_kernel("prefill", backend, head_dim, gqa)
+    kernel = build_kernel("prefill", backend, head_dim, gqa, sinks=bool(extra))
     return kernel(
-        inputs=[q, k_pool, v_pool, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, step.params, step.scale, step.kvh],
+        inputs=[q, k_pool, v_pool, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, step.params, step.scale, step.kvh,
+                *extra],
         template=[("T", q.dtype)],
         grid=(tiles * kv_heads * THREADS, 1, 1),
         threadgroup=(THREADS, 1, 1),
@@ -605,15 +634,16 @@ def paged_attention_kernel(q, k_pool, v_pool, meta: AttentionMetadata, scale: fl
     )[0]
 
 
-def _decode(q, k_pool, v_pool, meta, scale, window, backend, num_reqs, kv_heads, gqa):
+def _decode(q, k_pool, v_pool, meta, scale, window, backend, num_reqs, kv_heads, gqa, extra):
     head_dim = q.shape[2]
     # Partitions cover absolute positions; with a sliding window the early ones are simply empty.
     max_ctx = max(meta.seq_lens_host)
     splits, partition = plan_decode_splits(num_reqs, kv_heads, max_ctx, TARGET_THREADGROUPS[backend])
     step = _step_arrays(meta, scale, kv_heads, window, partition, splits)
-    inputs = [q, k_pool, v_pool, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, step.params, step.scale, step.kvh]
+    inputs = [q, k_pool, v_pool, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, step.params, step.scale, step.kvh,
+              *extra]
     groups = num_reqs * kv_heads * splits
-    layout = (head_dim, gqa, q.dtype.size, keys_per_warp_step(gqa))
+    layout = (head_dim, gqa, q.dtype.size, keys_per_warp_step(gqa), bool(extra))
     if splits == 1:
         return build_kernel("decode", backend, *layout)(
             inputs=inputs, template=[("T", q.dtype)], grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),

@@ -62,11 +62,11 @@ def make_batch(seed, specs, heads, kv_heads, head_dim, block_size, dtype, spare_
     return q, k_pool, v_pool, meta
 
 
-def reference_f32(q, k_pool, v_pool, meta, scale, window):
+def reference_f32(q, k_pool, v_pool, meta, scale, window, sinks=None):
     """The oracle in float32 on the CPU, from the same (possibly bf16-rounded) inputs."""
     with mx.stream(mx.cpu):
         f32 = [a.astype(mx.float32) for a in (q, k_pool, v_pool)]
-        out = paged_attention_reference(*f32, meta, scale, window)
+        out = paged_attention_reference(*f32, meta, scale, window, None if sinks is None else sinks.astype(mx.float32))
         mx.eval(out)
     return np.array(out)
 
@@ -90,10 +90,16 @@ CASES = [
 ]
 
 
-def fast(q, k_pool, v_pool, meta, scale, window):
+def fast(q, k_pool, v_pool, meta, scale, window, sinks=None):
     """The kernel itself (not the dispatch, which may fall back to the reference)."""
     assert pa.supports(q, k_pool, meta, v_pool, kernel_only=True)
-    return pa.paged_attention_kernel(q, k_pool, v_pool, meta, scale, window, backend=BACKEND)
+    return pa.paged_attention_kernel(q, k_pool, v_pool, meta, scale, window, backend=BACKEND, sinks=sinks)
+
+
+def random_sinks(heads, seed):
+    # Around the scores' own range (q.k * scale ~ N(0, 1)), some far above: the sink then takes most
+    # of the weight, which a sink counted twice or not at all would show.
+    return mx.random.normal((heads,), key=mx.random.key(seed)) * 3.0
 
 
 @requires_gpu
@@ -109,6 +115,48 @@ def test_kernel_matches_reference(case):
     want = reference_f32(q, k_pool, v_pool, meta, scale, window)
     assert np.isfinite(got).all()
     np.testing.assert_allclose(got, want, **TOLERANCE[dtype])
+
+
+SINK_CASES = [c for c in CASES if c[0].startswith(("decode-split-gqa2", "decode-window", "prefill-gqa2", "mixed-gqa8",
+                                                  "mixed-gqa1", "decode-mha"))]
+
+
+@requires_gpu
+@pytest.mark.parametrize("case", SINK_CASES, ids=[c[0] for c in SINK_CASES])
+def test_kernel_with_sinks_matches_reference(case):
+    """GPT-OSS's learned sinks: decode (whole and split), prefill and mixed batches, with windows."""
+    name, specs, heads, kv_heads, head_dim, block_size, dtype, window = case
+    q, k_pool, v_pool, meta = make_batch(zlib.crc32(name.encode()), specs, heads, kv_heads, head_dim, block_size, dtype)
+    sinks = random_sinks(heads, 7)
+    scale = head_dim ** -0.5
+    got = np.array(fast(q, k_pool, v_pool, meta, scale, window, sinks).astype(mx.float32))
+    want = reference_f32(q, k_pool, v_pool, meta, scale, window, sinks)
+    np.testing.assert_allclose(got, want, **TOLERANCE[dtype])
+    without = reference_f32(q, k_pool, v_pool, meta, scale, window)
+    assert not np.allclose(want, without, **TOLERANCE[dtype])  # the sinks matter in this case
+
+
+def test_reference_sinks_are_an_extra_logit_with_no_value():
+    """The reference's sinks, against the definition: softmax over [scores, sink], the sink's share dropped."""
+    q, k_pool, v_pool, meta = make_batch(3, [(4, 12), (1, 9)], 4, 2, 64, 8, mx.float32)
+    sinks = random_sinks(4, 1)
+    scale = 0.125
+    with mx.stream(mx.cpu):
+        got = np.array(paged_attention_reference(q, k_pool, v_pool, meta, scale, None, sinks))
+    flat_k = np.array(k_pool).reshape(-1, 2, 64)
+    flat_v = np.array(v_pool).reshape(-1, 2, 64)
+    tables, qs, row = np.array(meta.block_tables), np.array(q), 0
+    for r, (n, ctx) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        slots = [tables[r][p // 8] * 8 + p % 8 for p in range(ctx)]
+        for t in range(n):
+            pos = ctx - n + t
+            for h in range(4):
+                k, v = flat_k[slots[: pos + 1], h // 2], flat_v[slots[: pos + 1], h // 2]
+                logits = np.append(k @ qs[row, h] * scale, float(np.array(sinks)[h]))
+                p = np.exp(logits - logits.max())
+                p /= p.sum()
+                np.testing.assert_allclose(got[row, h], p[:-1] @ v, atol=1e-5, rtol=1e-4)
+            row += 1
 
 
 @requires_gpu
@@ -264,10 +312,12 @@ def test_prefill_tiles_cover_each_query_once(gqa):
     assert covered == list(range(cu[-1]))
 
 
+@pytest.mark.parametrize("sinks", [False, True], ids=["plain", "sinks"])
 @pytest.mark.parametrize("kind", ["decode", "decode_split", "reduce", "prefill"])
-def test_one_body_two_backends(kind):
-    metal_header, metal = pa.kernel_source(kind, "metal", 128, 2)
-    cuda_header, cuda = pa.kernel_source(kind, "cuda", 128, 2)
+def test_one_body_two_backends(kind, sinks):
+    metal_header, metal = pa.kernel_source(kind, "metal", 128, 2, sinks=sinks)
+    cuda_header, cuda = pa.kernel_source(kind, "cuda", 128, 2, sinks=sinks)
+    assert ("sinks[" in metal) == (sinks and kind != "reduce")
     assert "threadgroup_position_in_grid" in metal and "blockIdx" not in metal
     assert "blockIdx" in cuda and "threadgroup_position_in_grid" not in cuda
     assert "simd_sum" in metal_header and "__shfl_xor_sync" in cuda_header

@@ -60,7 +60,9 @@ def check_supported(config: dict, where) -> None:
         )
 
 
-def load_shard(source: ModelSource, start: int = 0, end: int | None = None) -> ModelShard:
+def load_shard(source: ModelSource, start: int = 0, end: int | None = None,
+               fetched: set[str] | None = None) -> ModelShard:
+    """`fetched`: the tensors a folder fetched from a model store holds (the others are holes)."""
     config = source.config
     check_supported(config, source.folder / "config.json")
     num_layers = config["num_hidden_layers"]
@@ -70,6 +72,8 @@ def load_shard(source: ModelSource, start: int = 0, end: int | None = None) -> M
     gpu = dtypes.on_gpu()
     model = _load_gguf_model(source, config, start, end, gpu) if source.gguf else _load_folder_model(source)
     _keep_only(model, start, end, num_layers, tied="lm_head" not in model)
+    if fetched is not None and not source.gguf:
+        _check_fetched(model, start, fetched, source.folder)
     dtype = dtypes.compute_dtype(dtypes.model_weights(model), gpu)
     dtypes.settle(model, dtype)
     mx.eval(model.parameters())
@@ -132,6 +136,26 @@ def _keep_only(model: nn.Module, start: int, end: int, num_layers: int, tied: bo
     if not last:
         inner.pop("norm")
         model.pop("lm_head", None)
+
+
+def _check_fetched(model: nn.Module, start: int, fetched: set[str], folder) -> None:
+    """Every tensor the stage kept was fetched: the strict load saw all names, but the bytes of the
+    tensors not fetched are holes, and a stage must never compute with them."""
+    from mlx.utils import tree_flatten
+
+    missing = [name for name in (_global_name(n, start) for n, _ in tree_flatten(model.parameters()))
+               if name not in fetched]
+    if missing:
+        raise ModelLoadError(f"{folder}: the stage needs {missing[0]} (and {len(missing) - 1} more), "
+                             "which were not fetched from the model store")
+
+
+def _global_name(name: str, start: int) -> str:
+    """'model.layers.0.mlp...' of a stage starting at layer `start` -> its name in the checkpoint."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[:2] == ["model", "layers"]:
+        parts[2] = str(int(parts[2]) + start)
+    return ".".join(parts)
 
 
 def _first_line(e: Exception) -> str:

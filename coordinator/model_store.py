@@ -92,7 +92,7 @@ def start(source: ModelSource, name: str, host: str, token: str, port: int = 0,
     """Build (or reuse) the manifest and serve it on host:port (0: a free port)."""
     manifest = manifests.build(source, name, progress)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="store"),
-                         interceptors=[TokenCheck(token)])
+                         interceptors=[TokenCheck(token, who="coordinator's model store")])
     pb_grpc.add_ModelStoreServicer_to_server(ModelStoreService(manifest, manifests.model_files(source)), server)
     bound = server.add_insecure_port(f"{host}:{port}")
     if not bound:

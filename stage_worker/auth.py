@@ -59,8 +59,9 @@ def call_metadata(token: str | None) -> tuple:
 class TokenCheck(grpc.ServerInterceptor):
     """Refuses every RPC whose token is missing or wrong, with one log line saying which."""
 
-    def __init__(self, token: str):
+    def __init__(self, token: str, who: str = "worker"):
         self.token = token.encode()
+        self.who = who
 
     def intercept_service(self, continuation, handler_call_details):
         sent = dict(handler_call_details.invocation_metadata or ()).get(METADATA_KEY)
@@ -68,7 +69,7 @@ class TokenCheck(grpc.ServerInterceptor):
             return continuation(handler_call_details)
         why = "no cluster token" if sent is None else "a wrong cluster token"
         log.warning("refused %s: the caller sent %s", handler_call_details.method.rsplit("/", 1)[-1], why)
-        return _refusal(f"the worker refused the call: {why} (use the same --cluster-token, "
+        return _refusal(f"the {self.who} refused the call: {why} (use the same --cluster-token, "
                         f"{TOKEN_ENV} or token file on every host)")
 
 

@@ -27,8 +27,8 @@ from metal_cluster.coordinator.cluster_control import CONTROL_KEY, ClusterContro
 from metal_cluster.coordinator.cluster_scheduler import loss_output
 from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV
 from metal_cluster.coordinator.executor_env import (
-    DEFAULT_STAGE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, LAYERS_ENV, NO_OVERLAP_ENV, STAGE_TIMEOUT_ENV, STAGES_ENV,
-    STEP_TIMEOUT_ENV,
+    DEFAULT_STAGE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, LAYERS_ENV, LOCAL_STAGES_ENV, MANIFEST_ENV, MODEL_STORE_ENV,
+    NO_OVERLAP_ENV, STAGE_TIMEOUT_ENV, STAGES_ENV, STEP_TIMEOUT_ENV,
 )
 from metal_cluster.coordinator.monitor import Monitor
 from metal_cluster.coordinator.stages import LazyFuture, LocalStage, Pipeline, RemoteStage, even_split, wire_dtype
@@ -110,7 +110,12 @@ class ClusterExecutor(Executor):
         if address == LOCAL:
             self.local_stage = self.local_stage or LocalStage()
             return self.local_stage
-        return RemoteStage(address, step_timeout_s=self.step_timeout_s)
+        stage = RemoteStage(address, step_timeout_s=self.step_timeout_s)
+        if address not in os.environ.get(LOCAL_STAGES_ENV, "").split(","):
+            # A worker on another host has no copy of the model: it fetches its layers from our store.
+            stage.model_store = os.environ.get(MODEL_STORE_ENV, "")
+            stage.manifest_sha256 = os.environ.get(MANIFEST_ENV, "")
+        return stage
 
     # --- KV cache sizing: one entry per stage; vLLM takes the minimum block count over them ----------
     def get_kv_cache_specs(self):

@@ -22,7 +22,7 @@ from vllm.outputs import RequestError
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
-from metal_cluster.coordinator import replan
+from metal_cluster.coordinator import load_progress, replan
 from metal_cluster.coordinator.cluster_control import CONTROL_KEY, ClusterControl
 from metal_cluster.coordinator.cluster_scheduler import loss_output
 from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV
@@ -84,10 +84,11 @@ class ClusterExecutor(Executor):
         self.healths = [s.health() for s in self.pipeline.stages]
         self.shares = replan.shares_per_host([h.host_id for h in self.healths],
                                              self.cache_config.gpu_memory_utilization)
-        self.assigned = self.pipeline.assign(
-            self.model_config.model, self.ranges, self.cache_config.block_size,
-            self.scheduler_config.max_num_batched_tokens, self.shares,
-        )
+        with load_progress.reported(self.pipeline.stages, lambda line: log.info("%s", line)):
+            self.assigned = self.pipeline.assign(
+                self.model_config.model, self.ranges, self.cache_config.block_size,
+                self.scheduler_config.max_num_batched_tokens, self.shares,
+            )
         for (a, b), r, stage in zip(self.ranges, self.assigned, self.pipeline.stages):
             log.info("stage %s: layers [%d, %d), %.2f GiB weights, %.2f GiB activations, KV budget %.2f GiB",
                      stage.name, a, b, r.weights_bytes / 2**30, r.activation_bytes / 2**30, r.kv_budget_bytes / 2**30)
@@ -298,7 +299,7 @@ class ClusterExecutor(Executor):
         stages, healths = replan.reset_all(alive, reason, clock[0] + replan.RESET_TIMEOUT_S)
         clock.append(time.monotonic())
         try:
-            plan = replan.build(stages, healths, self._settings())
+            plan = replan.build(stages, healths, self._settings(), say=lambda line: log.info("cluster: %s", line))
         except replan.ReplanError as e:
             self._give_up(stages, e)
             return

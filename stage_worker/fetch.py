@@ -126,9 +126,7 @@ class _Fetch:
                  need, self.manifest.name, what, self.client.address, cached)
         began = time.monotonic()
         for name, (entry, pieces) in missing.items():
-            with self.blobs.locked(entry.sha256):
-                # Another stage on this host may have fetched some meanwhile.
-                pieces = self.blobs.missing(entry, pieces)
+            with self.blobs.locked(entry.sha256):  # another stage on this host may write it too
                 for batch in _batches(pieces):
                     self._read_into(entry, batch)
         took = max(time.monotonic() - began, 1e-6)

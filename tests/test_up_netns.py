@@ -67,31 +67,22 @@ def tensor_range(model, prefix):
     return 8 + n + a, b - a
 
 
-def stage_share(model, start, end, num_layers=4):
-    """Bytes a stage of the (untied) llama needs: its tensors, from the checkpoint's header read here,
-    plus the header itself and the small files."""
+def stage_share(model, start, end, num_layers=4, had=None):
+    """Bytes a stage of the (untied) llama fetches: its tensors (less those of the layers it `had`),
+    from the checkpoint's header read here, and the header and small files (0 with `had`)."""
     with open(model / "model.safetensors", "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
 
-    def wanted(name):
+    def wanted(name, start, end):
         if name.startswith("model.layers."):
             return start <= int(name.split(".")[2]) < end
         return start == 0 if name.startswith("model.embed_tokens.") else end == num_layers
 
     tensors = sum(i["data_offsets"][1] - i["data_offsets"][0] for k, i in header.items()
-                  if k != "__metadata__" and wanted(k))
-    return tensors, 8 + n + sum(p.stat().st_size for p in model.iterdir() if p.suffix != ".safetensors")
-
-
-def wait_healthy(ns, url, proc, log, timeout=300):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, open(log).read()[-4000:]
-        if netns.run(ns, ["curl", "-sf", f"{url}/health"], timeout=10).returncode == 0:
-            return
-        time.sleep(1)
-    raise AssertionError("up never became healthy:\n" + open(log).read()[-4000:])
+                  if k != "__metadata__" and wanted(k, start, end) and not (had and wanted(k, *had)))
+    rest = 8 + n + sum(p.stat().st_size for p in model.iterdir() if p.suffix != ".safetensors")
+    return tensors, 0 if had else rest
 
 
 def check_cluster(lan, tmp_path, model, up_flags, start_workers=True, log_name="up.log"):
@@ -198,7 +189,7 @@ def test_a_lost_host_mid_traffic_is_healed_around(lan, tmp_path, llama_model, fa
 
     (ns_a, ip_a), (ns_b, ip_b), (ns_c, ip_c), _ = lan
     for ns, ip in ((ns_b, ip_b), (ns_c, ip_c)):
-        start_worker(ns, ip, tmp_path)
+        start_worker(ns, ip, tmp_path, hide=llama_model)
     log = tmp_path / "up.log"
     up = netns.popen(ns_a, [*PY, "up", str(llama_model), "--interface", ip_a, "--host", ip_a, "--port", "8000",
                             "--cluster-token", TOKEN, "--gpu-memory-utilization", "0.05", "--max-model-len", "512",
@@ -207,6 +198,7 @@ def test_a_lost_host_mid_traffic_is_healed_around(lan, tmp_path, llama_model, fa
                             "--stage-timeout", "3"], log)
     url = f"http://{ip_a}:8000"
     wait_healthy(ns_a, url, up, log)
+    before = fetched(tmp_path / f"worker-{ip_b}.log")[0]
     ref_model, tokenizer = load(str(llama_model))
     prompts = [tokenizer.encode(p) for p in PROMPTS * 3][:8]
     client = subprocess.Popen(["ip", "netns", "exec", ns_a, sys.executable, "-c", STREAMS, f"{url}/v1",
@@ -236,3 +228,5 @@ def test_a_lost_host_mid_traffic_is_healed_around(lan, tmp_path, llama_model, fa
     hosts = sorted(n["address"].rsplit(":", 1)[0] for n in status["nodes"])
     assert hosts == [ip_a, ip_b] and sorted(s["layers"] for s in status["stages"]) == [[0, 2], [2, 4]]
     assert "re-planned" in log.read_text()
+    after, received = fetched(tmp_path / f"worker-{ip_b}.log")  # the survivor fetched only what it lacked
+    assert received == stage_share(llama_model, *after, had=before)[0] and after != before

@@ -85,6 +85,16 @@ def stage_share(model, start, end, num_layers=4, had=None):
     return tensors, 0 if had else rest
 
 
+def wait_healthy(ns, url, proc, log, timeout=300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, open(log).read()[-4000:]
+        if netns.run(ns, ["curl", "-sf", f"{url}/health"], timeout=10).returncode == 0:
+            return
+        time.sleep(1)
+    raise AssertionError("up never became healthy:\n" + open(log).read()[-4000:])
+
+
 def check_cluster(lan, tmp_path, model, up_flags, start_workers=True, log_name="up.log"):
     (ns_a, ip_a), (ns_b, ip_b), (ns_c, ip_c), (ns_d, ip_d) = lan
     if start_workers:

@@ -184,3 +184,30 @@ def test_cut_covers_files_in_pieces():
     tensors = [pb.TensorRange(name="a", offset=10, length=25), pb.TensorRange(name="b", offset=40, length=5)]
     assert manifests.cut(50, tensors, piece_bytes=10) == [(0, 10), (10, 10), (20, 10), (30, 5), (35, 5),
                                                           (40, 5), (45, 5)]
+
+
+def test_a_gguf_stage_fetches_its_tensors_only(tmp_path):
+    """The embedded SmolLM2 GGUF: tensor ranges from its tensor table; a stage's blob is sparse."""
+    source = resolve_model(None)
+    os.environ["METAL_CLUSTER_CACHE"] = str(tmp_path / "coordinator-cache")
+    try:
+        store = model_store.start(source, "smollm", "127.0.0.1", TOKEN)
+    finally:
+        del os.environ["METAL_CLUSTER_CACHE"]
+    try:
+        got = fetch(store, tmp_path / "worker-cache", 10, 20)  # a middle stage: no embedding
+    finally:
+        store.stop()
+    (weights,) = [f for f in store.manifest.files if f.format == "gguf"]
+    mine = sum(t.length for t in weights.tensors if t.name in got.tensors)
+    header = weights.tensors[0].offset  # metadata and tensor table (the tokenizer lives there too)
+    padding = sum(p.length for p in weights.pieces if p.offset >= header and not any(
+        t.offset < p.offset + p.length and p.offset < t.offset + t.length for t in weights.tensors))
+    small = sum(f.size for f in store.manifest.files if f.format == "other")
+    assert got.received == mine + header + padding + small and mine < 0.3 * weights.size
+    blob = tmp_path / "worker-cache" / "blobs" / weights.sha256
+    assert blob.stat().st_blocks * 512 < 0.6 * weights.size  # holes where the other layers are
+    shard = load_shard(resolve_model(got.folder), 10, 20, got.tensors)
+    full = load_shard(source, 10, 20)
+    for (n1, a), (n2, b) in zip(tree_flatten(shard.model.parameters()), tree_flatten(full.model.parameters())):
+        assert n1 == n2 and mx.array_equal(a, b)

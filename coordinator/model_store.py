@@ -22,7 +22,7 @@ from metal_cluster.stage_worker.model_source import ModelSource
 
 log = logging.getLogger("metal_cluster.model_store")
 
-CHUNK_BYTES = 1 * 2**20  # one gRPC message; HTTP/2 windows bound what is in flight
+CHUNK_BYTES = 4 * 2**20  # one gRPC message; HTTP/2 windows bound what is in flight
 
 
 class ModelStoreService(pb_grpc.ModelStoreServicer):

@@ -45,7 +45,7 @@ def worker(ns, ip, model, cache, log):
 def up_to_first_token(ns_a, ip_a, peers, model, log) -> float:
     began = time.time()
     netns.popen(ns_a, [*PY, "up", str(model), "--interface", ip_a, "--host", ip_a, "--port", "8000",
-                       "--cluster-token", TOKEN, "--no-mdns", "--peers", peers, "--gpu-memory-utilization", "0.05",
+                       "--cluster-token", TOKEN, "--no-mdns", "--peers", peers, "--discovery-timeout", "60", "--gpu-memory-utilization", "0.05",
                        "--max-model-len", "512", "--max-num-batched-tokens", "64", "--served-model-name", "m"], log)
     out = netns.run(ns_a, [sys.executable, "-c", FIRST, f"http://{ip_a}:8000/v1"], timeout=900)
     if out.returncode:
@@ -53,9 +53,13 @@ def up_to_first_token(ns_a, ip_a, peers, model, log) -> float:
     return float(out.stdout.split()[-1]) - began
 
 
-def fetched(log: Path) -> int:
+def fetched(log: Path) -> tuple[int, float]:
+    """Bytes this worker fetched for its last assignment, and the seconds the fetches took."""
     text = log.read_text()
-    return sum(int(n) for n in re.findall(r"fetched (\d+) bytes", text[text.rindex("assigned layers"):]))
+    if "assigned layers" not in text:
+        raise SystemExit(f"{log} has no assignment:\n{text[-3000:]}")
+    lines = re.findall(r"fetched (\d+) bytes .* in ([\d.]+)s", text[text.rindex("assigned layers"):])
+    return sum(int(n) for n, _ in lines), sum(float(s) for _, s in lines)
 
 
 def main():
@@ -80,8 +84,8 @@ def main():
             warm = up_to_first_token(ns_a, ip_a, peers, model, work / "up-2.log")
             moved_again = {ip: fetched(work / f"worker-{ip}.log") for ip in (ip_b, ip_c)}
         print(json.dumps({"cold_s": round(cold, 1), "warm_s": round(warm, 1),
-                          "fetched_cold_MiB": {k: round(v / 2**20, 1) for k, v in moved.items()},
-                          "fetched_warm_MiB": {k: round(v / 2**20, 1) for k, v in moved_again.items()}}))
+                          "fetched_cold_MiB_s": {k: [round(b / 2**20, 1), s] for k, (b, s) in moved.items()},
+                          "fetched_warm_MiB_s": {k: [round(b / 2**20, 1), s] for k, (b, s) in moved_again.items()}}))
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -211,3 +211,13 @@ def test_a_gguf_stage_fetches_its_tensors_only(tmp_path):
     full = load_shard(source, 10, 20)
     for (n1, a), (n2, b) in zip(tree_flatten(shard.model.parameters()), tree_flatten(full.model.parameters())):
         assert n1 == n2 and mx.array_equal(a, b)
+
+
+def test_progress_lines_and_status_cell():
+    from metal_cluster.coordinator import load_progress, status
+
+    assert load_progress.line("10.0.0.2:7760", 50 * 2**20, 200 * 2**20, 10.0) == (
+        "stage 10.0.0.2:7760: fetched 50.0 of 200.0 MiB of weights (25%, 5.0 MiB/s, 30s left)")
+    assert status._fetched({"weights_fetched_bytes": 0}) == "-"
+    assert status._fetched({"weights_fetched_bytes": 2**20, "fetch_bytes_done": 2**20,
+                            "fetch_bytes_total": 4 * 2**20}) == "1.0 MiB (loading 1.0/4.0 MiB)"

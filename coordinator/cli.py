@@ -319,6 +319,9 @@ def worker(
         "Run this worker as a service instead (launchd agent on macOS, systemd user unit on Linux), with the "
         "flags given here; the config file still applies at each start.")),
     uninstall_service: bool = typer.Option(False, "--uninstall-service", help="Stop and remove that service."),
+    cache_limit: float = typer.Option(
+        0, min=0, help="GiB of fetched weights to keep in the cache; other models' files go first, least recently "
+                       "used first (0: no limit)."),
     coordinator_timeout: float = typer.Option(
         30.0, min=1, help="Seconds without a heartbeat from its coordinator before a serving worker frees itself."),
 ):
@@ -343,7 +346,8 @@ def worker(
         announce = (advertise_ip or host) if advertise else None
         if announce == "0.0.0.0":
             fail("--host 0.0.0.0 listens everywhere; name the address to announce with --advertise-ip")
-        serve_stage(host, port, ring_port or port + 1, token, announce, coordinator_timeout)
+        serve_stage(host, port, ring_port or port + 1, token, announce, coordinator_timeout,
+                    cache_limit=int(cache_limit * 2**30))
     except OSError as e:
         fail(str(e))
 

@@ -49,7 +49,10 @@ class Fetched:
 
 
 def fetch_stage(address: str, manifest_sha: str, start: int, end: int, token: str | None,
-                progress: FetchProgress | None = None, root: Path | None = None) -> Fetched:
+                progress: FetchProgress | None = None, root: Path | None = None,
+                cache_limit: int = 0) -> Fetched:
+    """`cache_limit` (bytes, 0: none): blobs of other models, least recently used first, are removed
+    to keep the cache within it."""
     progress = progress or FetchProgress()
     root = root or cache_dir()
     channel = grpc.insecure_channel(address, options=[("grpc.max_receive_message_length", MAX_MESSAGE)])
@@ -59,7 +62,7 @@ def fetch_stage(address: str, manifest_sha: str, start: int, end: int, token: st
         if manifest_sha and manifest.sha256 != manifest_sha:
             raise ModelLoadError(f"the model store at {address} serves another model version than the plan's "
                                  f"({manifest.sha256[:12]}, not {manifest_sha[:12]}): the model changed; re-plan")
-        return _Fetch(client, manifest, BlobStore(root / "blobs"), root, progress).run(start, end)
+        return _Fetch(client, manifest, BlobStore(root / "blobs"), root, progress, cache_limit).run(start, end)
     finally:
         channel.close()
 
@@ -85,8 +88,9 @@ class _Client:
 
 class _Fetch:
     def __init__(self, client: _Client, manifest: pb.ManifestResponse, blobs: BlobStore, root: Path,
-                 progress: FetchProgress):
+                 progress: FetchProgress, cache_limit: int = 0):
         self.client, self.manifest, self.blobs, self.progress = client, manifest, blobs, progress
+        self.cache_limit = cache_limit
         self.folder = root / "models" / manifest.sha256[:16]
         self.received = 0
 
@@ -121,6 +125,7 @@ class _Fetch:
         if not need:
             log.info("%s of %s: all %d bytes already in the cache", what, self.manifest.name, cached)
             return
+        self._make_room(need)
         self._check_disk(need)
         log.info("fetching %d bytes of %s for %s from %s (%d bytes already in the cache)",
                  need, self.manifest.name, what, self.client.address, cached)
@@ -156,6 +161,22 @@ class _Fetch:
                 raise ModelLoadError(f"the model store ended {entry.path} early (at byte {piece.offset + at})")
         finally:
             os.close(fd)
+
+    def _make_room(self, need: int) -> None:
+        """Within --cache-limit: evict other models' blobs first; refuse when this model alone is too big."""
+        if not self.cache_limit:
+            return
+        mine = {f.sha256 for f in self.manifest.files}
+        for sha in mine:
+            self.blobs.touch(sha)
+        removed = self.blobs.evict(self.cache_limit - need, keep=mine)
+        if removed:
+            log.info("cache limit %.2f GiB: removed %d file(s) of models no plan here uses",
+                     self.cache_limit / 2**30, len(removed))
+        held = sum(self.blobs.disk_bytes(sha) for sha in mine)
+        if held + need > self.cache_limit:
+            raise ModelLoadError(f"this stage needs {(held + need) / 2**30:.2f} GiB in the cache, over the worker's "
+                                 f"--cache-limit of {self.cache_limit / 2**30:.2f} GiB: raise it")
 
     def _check_disk(self, need: int) -> None:
         self.blobs.root.mkdir(parents=True, exist_ok=True)

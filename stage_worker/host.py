@@ -32,10 +32,12 @@ class StageStateError(RuntimeError):
 
 
 class StageHost:
-    def __init__(self, node_id: str | None = None, ring_port: int = 0, token: str | None = None):
+    def __init__(self, node_id: str | None = None, ring_port: int = 0, token: str | None = None,
+                 cache_limit: int = 0):
         self.node_id = node_id or uuid.uuid4().hex[:12]
         self.token = token  # for the coordinator's model store (None: this host's token)
         self.fetch = FetchProgress()
+        self.cache_limit = cache_limit  # bytes of fetched weights this host keeps (0: no limit)
         self.ring_port = ring_port
         self.state = "idle"
         self.shard = None
@@ -87,7 +89,7 @@ class StageHost:
         if not req.model_store:
             return load_shard(resolve_model(req.model or None), req.layer_start, req.layer_end)
         fetched = fetch_stage(req.model_store, req.manifest_sha256, req.layer_start, req.layer_end,
-                              self.token or resolve_token(), self.fetch)
+                              self.token or resolve_token(), self.fetch, cache_limit=self.cache_limit)
         return load_shard(resolve_model(fetched.folder), req.layer_start, req.layer_end, fetched.tensors)
 
     def start(self, req: pb.StartRequest) -> pb.StartResponse:

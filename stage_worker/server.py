@@ -133,7 +133,7 @@ def _reexec(reason: str) -> None:
 
 
 def serve(host: str, port: int, ring_port: int, token: str, advertise_ip: str | None = None,
-          coordinator_timeout_s: float = 30.0) -> None:
+          coordinator_timeout_s: float = 30.0, cache_limit: int = 0) -> None:
     stop = threading.Event()
     reset = PendingReset()
     server = grpc.server(
@@ -141,7 +141,8 @@ def serve(host: str, port: int, ring_port: int, token: str, advertise_ip: str | 
         interceptors=[TokenCheck(token)],
         options=[("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)],
     )
-    stage = StageHost(node_id=os.environ.get(NODE_ID_ENV), ring_port=ring_port, token=token)
+    stage = StageHost(node_id=os.environ.get(NODE_ID_ENV), ring_port=ring_port, token=token,
+                      cache_limit=cache_limit)
     os.environ[NODE_ID_ENV] = stage.node_id
     pb_grpc.add_StageServicer_to_server(StageService(stage, stop, reset), server)
     try:

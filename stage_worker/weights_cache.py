@@ -72,6 +72,38 @@ class BlobStore:
             os.ftruncate(fd, entry.size)
         return fd
 
+    def touch(self, sha: str) -> None:
+        """Mark the blob as used now: eviction takes the blobs used longest ago first."""
+        (self.root / f"{sha}.used").touch()
+
+    def disk_bytes(self, sha: str) -> int:
+        try:
+            return self.path(sha).stat().st_blocks * 512  # what its pieces take, not its sparse size
+        except FileNotFoundError:
+            return 0
+
+    def evict(self, limit: int, keep: set[str]) -> list[str]:
+        """Remove blobs not in `keep`, least recently used first, until the cache is within `limit`
+        bytes (or only kept blobs are left). The removed blobs' hashes."""
+        blobs = [p.name for p in self.root.iterdir() if len(p.name) == 64 and "." not in p.name]
+        used = sum(self.disk_bytes(b) for b in blobs)
+        removed = []
+        for sha in sorted((b for b in blobs if b not in keep), key=self._last_used):
+            if used <= limit:
+                break
+            with self.locked(sha):
+                used -= self.disk_bytes(sha)
+                for suffix in ("", ".pieces", ".used"):
+                    (self.root / f"{sha}{suffix}").unlink(missing_ok=True)
+            removed.append(sha)
+        return removed
+
+    def _last_used(self, sha: str) -> float:
+        try:
+            return (self.root / f"{sha}.used").stat().st_mtime
+        except FileNotFoundError:
+            return 0.0
+
     def record(self, sha: str, piece: pb.Piece) -> None:
         with open(self.root / f"{sha}.pieces", "a") as f:
             f.write(f"{piece.offset} {piece.length} {piece.sha256}\n")

@@ -221,3 +221,32 @@ def test_progress_lines_and_status_cell():
     assert status._fetched({"weights_fetched_bytes": 0}) == "-"
     assert status._fetched({"weights_fetched_bytes": 2**20, "fetch_bytes_done": 2**20,
                             "fetch_bytes_total": 4 * 2**20}) == "1.0 MiB (loading 1.0/4.0 MiB)"
+
+
+def test_a_cache_limit_evicts_other_models_least_recently_used_first(model, tmp_path):
+    import shutil
+
+    other = shutil.copytree(model, tmp_path / "other")
+    (other / "config.json").write_text((other / "config.json").read_text() + " ")  # another manifest
+    cache = tmp_path / "worker-cache"
+    size = (model / "model.safetensors").stat().st_size
+    first = _start(model, tmp_path)
+    try:
+        fetch_stage(first.address, first.manifest.sha256, 0, 4, TOKEN, root=cache, cache_limit=10 * size)
+    finally:
+        first.stop()
+    weights = next(f for f in first.manifest.files if f.format == "safetensors").sha256
+    second = _start(other, tmp_path)
+    try:
+        with pytest.raises(ModelLoadError, match="--cache-limit"):
+            fetch_stage(second.address, second.manifest.sha256, 0, 4, TOKEN, root=cache, cache_limit=size // 2)
+        # Room for one model: the first one's files go, except those the second shares (same hash).
+        got = fetch_stage(second.address, second.manifest.sha256, 0, 4, TOKEN, root=cache,
+                          cache_limit=int(1.5 * size))
+    finally:
+        second.stop()
+    assert got.received > 0
+    shared = {f.sha256 for f in second.manifest.files}
+    assert weights in shared  # the weights did not change: they are used in place, not fetched again
+    left = {p.name for p in (cache / "blobs").iterdir() if "." not in p.name}
+    assert left == shared

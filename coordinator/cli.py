@@ -149,7 +149,17 @@ def up(
     except placement.PlacementError as e:
         fail(str(e), code=1)
     cluster.show_plan(stages, console)
-    _run_server(source, host, port, gpu_memory_utilization, extra, planned=stages, local_ip=ip)
+    store = None
+    if any(not s.host.local for s in stages):  # hosts without a copy fetch their layers from here
+        try:
+            store = cluster.start_model_store(source, _served_name(source), ip, token, console)
+        except (ModelLoadError, OSError) as e:
+            fail(str(e), code=1)
+    try:
+        _run_server(source, host, port, gpu_memory_utilization, extra, planned=stages, local_ip=ip)
+    finally:
+        if store:
+            store.stop()
 
 
 def _set_stage_timeout(seconds: float) -> None:
@@ -202,8 +212,11 @@ def _served_name(source):
 def _run_server(source, host, port, utilization, extra, local_stages=0, planned=None, local_ip="127.0.0.1"):
     """vLLM's API server over our stages: `local_stages` worker processes of ours, or a `planned`
     placement over remote workers (plus one local worker where the plan has a stage on this host)."""
+    import os
+
     from metal_cluster.coordinator import local_workers
     from metal_cluster.coordinator import serve as server
+    from metal_cluster.coordinator.executor_env import LOCAL_STAGES_ENV
 
     extra = extra + ["--gpu-memory-utilization", str(utilization)]
     if planned:
@@ -211,6 +224,7 @@ def _run_server(source, host, port, utilization, extra, local_stages=0, planned=
     try:
         with local_workers.started(local_stages, host=local_ip) as workers, \
                 run_registration(host, port, source, workers) as run_dir:
+            os.environ[LOCAL_STAGES_ENV] = ",".join(w.address for w in workers)  # they read our path
             local_addresses = iter(w.address for w in workers)
             if planned:
                 addresses = [next(local_addresses) if s.host.local else s.host.grpc_address for s in planned]
@@ -329,6 +343,9 @@ def worker(
         "Run this worker as a service instead (launchd agent on macOS, systemd user unit on Linux), with the "
         "flags given here; the config file still applies at each start.")),
     uninstall_service: bool = typer.Option(False, "--uninstall-service", help="Stop and remove that service."),
+    cache_limit: float = typer.Option(
+        0, min=0, help="GiB of fetched weights to keep in the cache; other models' files go first, least recently "
+                       "used first (0: no limit)."),
     coordinator_timeout: float = typer.Option(
         30.0, min=1, help="Seconds without a heartbeat from its coordinator before a serving worker frees itself."),
 ):
@@ -353,7 +370,8 @@ def worker(
         announce = (advertise_ip or host) if advertise else None
         if announce == "0.0.0.0":
             fail("--host 0.0.0.0 listens everywhere; name the address to announce with --advertise-ip")
-        serve_stage(host, port, ring_port or port + 1, token, announce, coordinator_timeout)
+        serve_stage(host, port, ring_port or port + 1, token, announce, coordinator_timeout,
+                    cache_limit=int(cache_limit * 2**30))
     except OSError as e:
         fail(str(e))
 

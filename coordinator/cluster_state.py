@@ -40,6 +40,10 @@ class StageStatus:
     step_ms: float = 0.0
     ring_bytes_sent: int = 0
     kv_dtype: str = ""
+    # Weights fetched from the coordinator's model store by this stage's worker, and the load now.
+    weights_fetched_bytes: int = 0
+    fetch_bytes_done: int = 0
+    fetch_bytes_total: int = 0
 
 
 @dataclass

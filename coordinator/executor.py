@@ -23,13 +23,13 @@ from vllm.outputs import RequestError
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
-from metal_cluster.coordinator import replan
+from metal_cluster.coordinator import load_progress, replan
 from metal_cluster.coordinator.cluster_control import CONTROL_KEY, ClusterControl
 from metal_cluster.coordinator.cluster_scheduler import loss_output
 from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV
 from metal_cluster.coordinator.executor_env import (
-    DEFAULT_STAGE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, LAYERS_ENV, NO_OVERLAP_ENV, STAGE_TIMEOUT_ENV, STAGES_ENV,
-    STEP_TIMEOUT_ENV,
+    DEFAULT_STAGE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, LAYERS_ENV, LOCAL_STAGES_ENV, MANIFEST_ENV, MODEL_STORE_ENV,
+    NO_OVERLAP_ENV, STAGE_TIMEOUT_ENV, STAGES_ENV, STEP_TIMEOUT_ENV,
 )
 from metal_cluster.coordinator.monitor import Monitor
 from metal_cluster.coordinator.stages import LazyFuture, LocalStage, Pipeline, RemoteStage, even_split, wire_dtype
@@ -85,10 +85,11 @@ class ClusterExecutor(Executor):
         self.healths = [s.health() for s in self.pipeline.stages]
         self.shares = replan.shares_per_host([h.host_id for h in self.healths],
                                              self.cache_config.gpu_memory_utilization)
-        self.assigned = self.pipeline.assign(
-            self.model_config.model, self.ranges, self.cache_config.block_size,
-            self.scheduler_config.max_num_batched_tokens, self.shares,
-        )
+        with load_progress.reported(self.pipeline.stages, lambda line: log.info("%s", line)):
+            self.assigned = self.pipeline.assign(
+                self.model_config.model, self.ranges, self.cache_config.block_size,
+                self.scheduler_config.max_num_batched_tokens, self.shares,
+            )
         for (a, b), r, stage in zip(self.ranges, self.assigned, self.pipeline.stages):
             log.info("stage %s: layers [%d, %d), %.2f GiB weights, %.2f GiB activations, KV budget %.2f GiB",
                      stage.name, a, b, r.weights_bytes / 2**30, r.activation_bytes / 2**30, r.kv_budget_bytes / 2**30)
@@ -111,7 +112,12 @@ class ClusterExecutor(Executor):
         if address == LOCAL:
             self.local_stage = self.local_stage or LocalStage()
             return self.local_stage
-        return RemoteStage(address, step_timeout_s=self.step_timeout_s)
+        stage = RemoteStage(address, step_timeout_s=self.step_timeout_s)
+        if address not in os.environ.get(LOCAL_STAGES_ENV, "").split(","):
+            # A worker on another host has no copy of the model: it fetches its layers from our store.
+            stage.model_store = os.environ.get(MODEL_STORE_ENV, "")
+            stage.manifest_sha256 = os.environ.get(MANIFEST_ENV, "")
+        return stage
 
     # --- KV cache sizing: one entry per stage; vLLM takes the minimum block count over them ----------
     def get_kv_cache_specs(self):
@@ -305,7 +311,7 @@ class ClusterExecutor(Executor):
         stages, healths = replan.reset_all(alive, reason, clock[0] + replan.RESET_TIMEOUT_S)
         clock.append(time.monotonic())
         try:
-            plan = replan.build(stages, healths, self._settings())
+            plan = replan.build(stages, healths, self._settings(), say=lambda line: log.info("cluster: %s", line))
         except replan.ReplanError as e:
             self._give_up(stages, e)
             return

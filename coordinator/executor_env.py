@@ -16,3 +16,11 @@ DEFAULT_STAGE_TIMEOUT_S = 15.0
 # Seconds one step may take on the stages before it counts as stuck: a backstop behind heartbeats.
 STEP_TIMEOUT_ENV = "METAL_CLUSTER_STEP_TIMEOUT"
 DEFAULT_STEP_TIMEOUT_S = 600.0
+
+# The coordinator's model store ("host:port") and the manifest it serves: remote stages fetch their
+# weights from it. Unset: every stage reads the model at the coordinator's path.
+MODEL_STORE_ENV = "METAL_CLUSTER_MODEL_STORE"
+MANIFEST_ENV = "METAL_CLUSTER_MANIFEST"
+
+# Comma-separated addresses of stage workers on the coordinator's own disk: they read the path.
+LOCAL_STAGES_ENV = "METAL_CLUSTER_LOCAL_STAGES"

@@ -77,6 +77,8 @@ class Monitor:
             stage_status.step_ms = 1000 * health.step_seconds
             stage_status.ring_bytes_sent = health.ring_bytes_sent
             stage_status.kv_dtype = health.kv_dtype
+            stage_status.weights_fetched_bytes = health.fetch_bytes_received
+            stage_status.fetch_bytes_done, stage_status.fetch_bytes_total = health.fetch_bytes_done, health.fetch_bytes_total
             self._set_state(node, health.state, "")
         if self.path:
             write_json(self.path, self.snapshot().to_dict())

@@ -9,7 +9,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from metal_cluster.coordinator import placement
+from metal_cluster.coordinator import load_progress, placement
 from metal_cluster.coordinator.stages import Pipeline, StageCallError, wire_dtype
 from metal_cluster.proto import pb
 from metal_cluster.stage_worker.host import machine_id
@@ -121,7 +121,7 @@ def place(stages: list, healths: list, settings: Settings) -> tuple[list, list, 
     return [s for s, _ in ordered], [h for _, h in ordered], [(p.start, p.end) for p in stage_plans]
 
 
-def build(stages: list, healths: list, settings: Settings) -> Plan:
+def build(stages: list, healths: list, settings: Settings, say=lambda line: None) -> Plan:
     """Load the layers on idle stages and start them: the new pipeline, ready for steps."""
     if not stages:
         raise ReplanError("no stage worker is left")
@@ -129,7 +129,9 @@ def build(stages: list, healths: list, settings: Settings) -> Plan:
     pipeline = Pipeline(stages)
     shares = shares_per_host([h.host_id for h in healths], settings.utilization)
     try:
-        assigned = pipeline.assign(settings.model, ranges, settings.block_size, settings.max_num_batched_tokens, shares)
+        with load_progress.reported(stages, say):
+            assigned = pipeline.assign(settings.model, ranges, settings.block_size, settings.max_num_batched_tokens,
+                                       shares)
         blocks = []
         for share, r in zip(shares, assigned):
             KVBudget(share, r.host_memory_bytes, r.weights_bytes, r.activation_bytes).check_fits(

@@ -18,6 +18,7 @@ from metal_cluster.stage_worker import cluster_tls
 from metal_cluster.stage_worker.auth import resolve_token
 
 MAX_MESSAGE = 256 * 1024 * 1024
+FETCH_TIMEOUT_S = 6 * 3600
 
 
 class StageCallError(RuntimeError):
@@ -107,6 +108,9 @@ class LocalStage:
 class RemoteStage:
     def __init__(self, address: str, token: str | None = None, timeout_s: float = 600, step_timeout_s: float = 600):
         self.name = address
+        # Set where the worker has no copy of the model: the store it fetches its layers from.
+        self.model_store = ""
+        self.manifest_sha256 = ""
         self.timeout_s = timeout_s
         self.step_timeout_s = step_timeout_s
         try:
@@ -132,7 +136,8 @@ class RemoteStage:
             raise self._error(e) from None
 
     def assign(self, req):
-        return self._call(self.stub.Assign, req)
+        # A stage fetching its weights may take long; its progress shows in Health meanwhile.
+        return self._call(self.stub.Assign, req, FETCH_TIMEOUT_S if req.model_store else None)
 
     def start(self, req):
         return self._call(self.stub.Start, req)
@@ -190,8 +195,10 @@ class Pipeline:
                utilization: list[float]) -> list[pb.AssignResponse]:
         reqs = [
             pb.AssignRequest(version=PROTO_VERSION, model=model, layer_start=a, layer_end=b, block_size=block_size,
-                             max_num_batched_tokens=max_tokens, memory_utilization=share)
-            for (a, b), share in zip(ranges, utilization)
+                             max_num_batched_tokens=max_tokens, memory_utilization=share,
+                             model_store=getattr(stage, "model_store", ""),
+                             manifest_sha256=getattr(stage, "manifest_sha256", ""))
+            for (a, b), share, stage in zip(ranges, utilization, self.stages)
         ]
         return list(self.pool.map(lambda sr: sr[0].assign(sr[1]), zip(self.stages, reqs)))
 

@@ -95,16 +95,25 @@ def render(view: dict) -> Group:
         state = f"[red]{n['state']}[/red]" if n["state"] == "down" else n["state"]
         nodes.add_row(n["name"], n["address"], n["device"], memory, state, age, f"{n['rtt_ms']:.1f} ms")
     stages = Table(title="stages")
-    for col in ("stage", "node", "layers", "KV blocks used/total", "KV dtype", "last step"):
+    for col in ("stage", "node", "layers", "KV blocks used/total", "KV dtype", "last step", "weights fetched"):
         stages.add_column(col)
     for k, s in enumerate(view["stages"]):
         stages.add_row(str(k), s["node"], f"[{s['layers'][0]}, {s['layers'][1]})",
-                       f"{s['kv_blocks_used']}/{s['kv_blocks_total']}", s.get("kv_dtype") or "-", f"{s['step_ms']:.0f} ms")
+                       f"{s['kv_blocks_used']}/{s['kv_blocks_total']}", s.get("kv_dtype") or "-", f"{s['step_ms']:.0f} ms",
+                       _fetched(s))
     r = view["requests"]
     ttft = f"{view['mean_ttft_s']:.2f}s" if view["mean_ttft_s"] is not None else "-"
     summary = (f"requests: {r['running']} running, {r['waiting']} waiting   "
                f"output: {view['output_tokens_per_s']:.1f} tokens/s   mean TTFT: {ttft}")
     return Group(nodes, stages, summary, *_cluster_lines(view.get("cluster") or {}))
+
+
+def _fetched(stage: dict) -> str:
+    got, done, total = (stage.get(k) or 0 for k in ("weights_fetched_bytes", "fetch_bytes_done", "fetch_bytes_total"))
+    text = f"{got / 2**20:.1f} MiB" if got else "-"
+    if done < total:  # still loading
+        text += f" (loading {done / 2**20:.1f}/{total / 2**20:.1f} MiB)"
+    return text
 
 
 def _cluster_lines(cluster: dict) -> list[str]:

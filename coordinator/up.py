@@ -86,6 +86,28 @@ def _claim_if_orphaned(stage: RemoteStage, health, console: Console, deadline: f
     return wait_idle(stage, time.monotonic() + 60)
 
 
+def start_model_store(source, name: str, ip: str, token: str, console: Console):
+    """Serve the model to workers that have no copy; its manifest is hashed once (cached after)."""
+    import os
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    from metal_cluster.coordinator import model_store
+    from metal_cluster.coordinator.executor_env import MANIFEST_ENV, MODEL_STORE_ENV
+
+    with Progress("hashing the model for workers", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  TimeRemainingColumn(), console=console, transient=True, disable=not console.is_terminal) as bar:
+        task = bar.add_task("hash", total=None)
+        store = model_store.start(source, name, ip, token,
+                                  progress=lambda done, total: bar.update(task, completed=done, total=total))
+    size = sum(f.size for f in store.manifest.files)
+    console.print(f"model store: {len(store.manifest.files)} files, {size / 2**20:.1f} MiB "
+                  f"(manifest {store.manifest.sha256[:12]}) at {store.address}: workers fetch their layers from here")
+    os.environ[MODEL_STORE_ENV] = store.address
+    os.environ[MANIFEST_ENV] = store.manifest.sha256
+    return store
+
+
 def show_plan(stages: list[StagePlan], console: Console) -> None:
     table = Table(title="placement")
     for col in ("stage", "node", "address", "memory", "layers"):

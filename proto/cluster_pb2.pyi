@@ -129,7 +129,7 @@ class StepResponse(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ...) -> None: ...
 
 class AssignRequest(_message.Message):
-    __slots__ = ("version", "model", "layer_start", "layer_end", "block_size", "max_num_batched_tokens", "memory_utilization")
+    __slots__ = ("version", "model", "layer_start", "layer_end", "block_size", "max_num_batched_tokens", "memory_utilization", "model_store", "manifest_sha256")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,8 @@ class AssignRequest(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_STORE_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
     version: int
     model: str
     layer_start: int
@@ -144,7 +146,9 @@ class AssignRequest(_message.Message):
     block_size: int
     max_num_batched_tokens: int
     memory_utilization: float
-    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., memory_utilization: _Optional[float] = ...) -> None: ...
+    model_store: str
+    manifest_sha256: str
+    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., memory_utilization: _Optional[float] = ..., model_store: _Optional[str] = ..., manifest_sha256: _Optional[str] = ...) -> None: ...
 
 class AssignResponse(_message.Message):
     __slots__ = ("weights_bytes", "activation_bytes", "bytes_per_block", "kv_budget_bytes", "num_layers", "host_memory_bytes", "dtype")
@@ -195,7 +199,7 @@ class HealthRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., heartbeat: _Optional[bool] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("version", "state", "node_id", "layer_start", "layer_end", "num_blocks", "num_requests", "resident_bytes", "steps", "ring_port", "host_id", "kv_blocks_used", "host_memory_bytes", "host_memory_available_bytes", "device", "step_seconds", "ring_bytes_sent", "coordinator_silent_s", "kv_dtype")
+    __slots__ = ("version", "state", "node_id", "layer_start", "layer_end", "num_blocks", "num_requests", "resident_bytes", "steps", "ring_port", "host_id", "kv_blocks_used", "host_memory_bytes", "host_memory_available_bytes", "device", "step_seconds", "ring_bytes_sent", "coordinator_silent_s", "kv_dtype", "fetch_bytes_total", "fetch_bytes_done", "fetch_bytes_received")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +219,9 @@ class HealthResponse(_message.Message):
     RING_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     COORDINATOR_SILENT_S_FIELD_NUMBER: _ClassVar[int]
     KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    FETCH_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    FETCH_BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    FETCH_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     version: int
     state: str
     node_id: str
@@ -234,7 +241,10 @@ class HealthResponse(_message.Message):
     ring_bytes_sent: int
     coordinator_silent_s: float
     kv_dtype: str
-    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., node_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., ring_port: _Optional[int] = ..., host_id: _Optional[str] = ..., kv_blocks_used: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., host_memory_available_bytes: _Optional[int] = ..., device: _Optional[str] = ..., step_seconds: _Optional[float] = ..., ring_bytes_sent: _Optional[int] = ..., coordinator_silent_s: _Optional[float] = ..., kv_dtype: _Optional[str] = ...) -> None: ...
+    fetch_bytes_total: int
+    fetch_bytes_done: int
+    fetch_bytes_received: int
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., node_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., ring_port: _Optional[int] = ..., host_id: _Optional[str] = ..., kv_blocks_used: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., host_memory_available_bytes: _Optional[int] = ..., device: _Optional[str] = ..., step_seconds: _Optional[float] = ..., ring_bytes_sent: _Optional[int] = ..., coordinator_silent_s: _Optional[float] = ..., kv_dtype: _Optional[str] = ..., fetch_bytes_total: _Optional[int] = ..., fetch_bytes_done: _Optional[int] = ..., fetch_bytes_received: _Optional[int] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("version",)
@@ -257,3 +267,77 @@ class ResetRequest(_message.Message):
 class ResetResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class TensorRange(_message.Message):
+    __slots__ = ("name", "offset", "length")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    offset: int
+    length: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class Piece(_message.Message):
+    __slots__ = ("offset", "length", "sha256")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    sha256: str
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class ModelFile(_message.Message):
+    __slots__ = ("path", "size", "sha256", "format", "tensors", "pieces")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    sha256: str
+    format: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorRange]
+    pieces: _containers.RepeatedCompositeFieldContainer[Piece]
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ..., format: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorRange, _Mapping]]] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ...) -> None: ...
+
+class ManifestRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class ManifestResponse(_message.Message):
+    __slots__ = ("version", "sha256", "name", "files")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    sha256: str
+    name: str
+    files: _containers.RepeatedCompositeFieldContainer[ModelFile]
+    def __init__(self, version: _Optional[int] = ..., sha256: _Optional[str] = ..., name: _Optional[str] = ..., files: _Optional[_Iterable[_Union[ModelFile, _Mapping]]] = ...) -> None: ...
+
+class ReadRequest(_message.Message):
+    __slots__ = ("version", "manifest_sha256", "path", "pieces")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    manifest_sha256: str
+    path: str
+    pieces: _containers.RepeatedCompositeFieldContainer[Piece]
+    def __init__(self, version: _Optional[int] = ..., manifest_sha256: _Optional[str] = ..., path: _Optional[str] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ...) -> None: ...
+
+class ReadChunk(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...

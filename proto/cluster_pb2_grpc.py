@@ -25,6 +25,122 @@ if _version_not_supported:
     )
 
 
+class ModelStoreStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Manifest = channel.unary_unary(
+                '/metal_cluster.v1.ModelStore/Manifest',
+                request_serializer=cluster__pb2.ManifestRequest.SerializeToString,
+                response_deserializer=cluster__pb2.ManifestResponse.FromString,
+                _registered_method=True)
+        self.Read = channel.unary_stream(
+                '/metal_cluster.v1.ModelStore/Read',
+                request_serializer=cluster__pb2.ReadRequest.SerializeToString,
+                response_deserializer=cluster__pb2.ReadChunk.FromString,
+                _registered_method=True)
+
+
+class ModelStoreServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Manifest(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Read(self, request, context):
+        """The pieces asked for, in order, in chunks; HTTP/2 flow control paces the stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ModelStoreServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Manifest': grpc.unary_unary_rpc_method_handler(
+                    servicer.Manifest,
+                    request_deserializer=cluster__pb2.ManifestRequest.FromString,
+                    response_serializer=cluster__pb2.ManifestResponse.SerializeToString,
+            ),
+            'Read': grpc.unary_stream_rpc_method_handler(
+                    servicer.Read,
+                    request_deserializer=cluster__pb2.ReadRequest.FromString,
+                    response_serializer=cluster__pb2.ReadChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'metal_cluster.v1.ModelStore', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('metal_cluster.v1.ModelStore', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ModelStore:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Manifest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/metal_cluster.v1.ModelStore/Manifest',
+            cluster__pb2.ManifestRequest.SerializeToString,
+            cluster__pb2.ManifestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Read(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/metal_cluster.v1.ModelStore/Read',
+            cluster__pb2.ReadRequest.SerializeToString,
+            cluster__pb2.ReadChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class StageStub:
     """Missing associated documentation comment in .proto file."""
 

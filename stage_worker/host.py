@@ -17,6 +17,8 @@ import psutil
 from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.stage_worker import memory
 from metal_cluster.stage_worker.dtypes import dtype_name, from_name
+from metal_cluster.stage_worker.auth import resolve_token
+from metal_cluster.stage_worker.fetch import FetchProgress, fetch_stage
 from metal_cluster.stage_worker.model_source import resolve_model
 from metal_cluster.stage_worker.paged_kv import KVPool, bytes_per_block
 from metal_cluster.stage_worker.request_table import StepError
@@ -30,8 +32,12 @@ class StageStateError(RuntimeError):
 
 
 class StageHost:
-    def __init__(self, node_id: str | None = None, ring_port: int = 0):
+    def __init__(self, node_id: str | None = None, ring_port: int = 0, token: str | None = None,
+                 cache_limit: int = 0):
         self.node_id = node_id or uuid.uuid4().hex[:12]
+        self.token = token  # for the coordinator's model store (None: this host's token)
+        self.fetch = FetchProgress()
+        self.cache_limit = cache_limit  # bytes of fetched weights this host keeps (0: no limit)
         self.ring_port = ring_port
         self.state = "idle"
         self.shard = None
@@ -62,7 +68,7 @@ class StageHost:
                     f"this stage already holds layers [{self.shard.start}, {self.shard.end}); "
                     "a new plan needs a new stage process"
                 )
-            self.shard = load_shard(resolve_model(req.model or None), req.layer_start, req.layer_end)
+            self.shard = self._load(req)
             self.block_size = req.block_size
             weights = sum(v.nbytes for v in _params(self.shard.model))
             activation = self._measure_activation_peak(req.max_num_batched_tokens)
@@ -78,6 +84,13 @@ class StageHost:
                 host_memory_bytes=budget.host_bytes,
                 dtype=dtype_name(self.dtype),
             )
+
+    def _load(self, req: pb.AssignRequest):
+        if not req.model_store:
+            return load_shard(resolve_model(req.model or None), req.layer_start, req.layer_end)
+        fetched = fetch_stage(req.model_store, req.manifest_sha256, req.layer_start, req.layer_end,
+                              self.token or resolve_token(), self.fetch, cache_limit=self.cache_limit)
+        return load_shard(resolve_model(fetched.folder), req.layer_start, req.layer_end, fetched.tensors)
 
     def start(self, req: pb.StartRequest) -> pb.StartResponse:
         check_version(req.version)
@@ -115,6 +128,9 @@ class StageHost:
             ring_bytes_sent=self.ring.bytes_sent if self.ring else 0,
             coordinator_silent_s=self.coordinator_silent_s(),
             kv_dtype=dtype_name(self.runner.pool.dtype) if self.runner else "",
+            fetch_bytes_total=self.fetch.total,
+            fetch_bytes_done=self.fetch.done,
+            fetch_bytes_received=self.fetch.received,
         )
 
     # --- data ------------------------------------------------------------------------------------

@@ -59,7 +59,9 @@ class StageService(pb_grpc.StageServicer):
 
     @_rpc
     def Assign(self, req):
-        log.info("assigned layers [%d, %d) of %s", req.layer_start, req.layer_end, req.model or "the default model")
+        source = f" (fetching from the model store at {req.model_store})" if req.model_store else ""
+        log.info("assigned layers [%d, %d) of %s%s", req.layer_start, req.layer_end,
+                 req.model or "the default model", source)
         resp = self.host.assign(req)
         log.info("loaded: %.2f GiB weights, %.2f GiB activations, KV budget %.2f GiB",
                  resp.weights_bytes / 2**30, resp.activation_bytes / 2**30, resp.kv_budget_bytes / 2**30)
@@ -131,14 +133,15 @@ def _reexec(reason: str) -> None:
 
 
 def serve(host: str, port: int, ring_port: int, token: str, advertise_ip: str | None = None,
-          coordinator_timeout_s: float = 30.0) -> None:
+          coordinator_timeout_s: float = 30.0, cache_limit: int = 0) -> None:
     stop = threading.Event()
     reset = PendingReset()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc"),
         options=[("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)],
     )
-    stage = StageHost(node_id=os.environ.get(NODE_ID_ENV), ring_port=ring_port)
+    stage = StageHost(node_id=os.environ.get(NODE_ID_ENV), ring_port=ring_port, token=token,
+                      cache_limit=cache_limit)
     os.environ[NODE_ID_ENV] = stage.node_id
     pb_grpc.add_StageServicer_to_server(StageService(stage, stop, reset), server)
     try:

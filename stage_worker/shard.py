@@ -6,6 +6,7 @@ anything is evaluated, so their tensors are never read. The shard is cast to its
 (`dtypes.py`) before that first read: quantized weights stay quantized on a GPU.
 """
 
+import re
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -48,7 +49,9 @@ class ModelShard:
         return self.family.logits(self.model, hidden)
 
 
-def load_shard(source: ModelSource, start: int = 0, end: int | None = None) -> ModelShard:
+def load_shard(source: ModelSource, start: int = 0, end: int | None = None,
+               fetched: set[str] | None = None) -> ModelShard:
+    """`fetched`: the tensors a folder fetched from a model store holds (the others are holes)."""
     config = source.config
     family = family_of(config, source.folder / "config.json")
     num_layers = config["num_hidden_layers"]
@@ -58,6 +61,8 @@ def load_shard(source: ModelSource, start: int = 0, end: int | None = None) -> M
     gpu = dtypes.on_gpu()
     model = _load_gguf_model(source, config, start, end, gpu) if source.gguf else _load_folder_model(source)
     _keep_only(family.inner(model), model, start, end, num_layers)
+    if fetched is not None and not source.gguf:
+        _check_fetched(model, start, fetched, source.folder)
     dtype = dtypes.compute_dtype(dtypes.model_weights(model), gpu)
     dtypes.settle(model, dtype)
     mx.eval(model.parameters())
@@ -134,3 +139,31 @@ def _one_line(e: Exception, names: int = 3) -> str:
     if len(rest) > names:
         rest = rest[:names] + [f"... and {len(rest) - names} more"]
     return " ".join([lines[0], *rest])
+
+
+_LAYER_PREFIX = re.compile(r"model\.layers\.\d+\.")
+
+
+def _check_fetched(model: nn.Module, start: int, fetched: set[str], folder) -> None:
+    """Every tensor the stage kept was fetched: the strict load saw all names, but the bytes of the
+    tensors not fetched are holes, and a stage must never compute with them. A layer's parameter
+    that its family's sanitize made out of other tensors (stacked experts, MLA's split kv_b_proj)
+    has no name of its own in the checkpoint: its layer's tensors, fetched whole, stand for it."""
+    from mlx.utils import tree_flatten
+
+    fetched_layers = {m.group(0) for name in fetched if (m := _LAYER_PREFIX.match(name))}
+    missing = [name for name in (_global_name(n, start) for n, _ in tree_flatten(model.parameters()))
+               if name not in fetched and not ((m := _LAYER_PREFIX.match(name)) and m.group(0) in fetched_layers)]
+    if missing:
+        raise ModelLoadError(f"{folder}: the stage needs {missing[0]} (and {len(missing) - 1} more), "
+                             "which were not fetched from the model store")
+
+
+def _global_name(name: str, start: int) -> str:
+    """'model.layers.0.mlp...' of a stage starting at layer `start` -> its name in the checkpoint."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[:2] == ["model", "layers"]:
+        parts[2] = str(int(parts[2]) + start)
+    return ".".join(parts)
+
+

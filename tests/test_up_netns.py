@@ -2,6 +2,9 @@
 static --peers with mDNS off; placement over 3 stages; token-exact answers through the openai client."""
 
 import json
+import os
+import re
+import struct
 import sys
 import time
 
@@ -37,9 +40,49 @@ def lan():
         yield members
 
 
-def start_worker(ns, address, tmp_path, token=TOKEN):
-    return netns.popen(ns, [*PY, "worker", "--host", address, "--port", "7760", "--ring-port", "7761",
-                            "--cluster-token", token], tmp_path / f"worker-{address}.log")
+def start_worker(ns, address, tmp_path, token=TOKEN, hide=None):
+    """A worker with a cache of its own; `hide`: a folder it cannot see (an empty tmpfs over it), so
+    that the model is on the coordinator's disk only."""
+    cmd = [*PY, "worker", "--host", address, "--port", "7760", "--ring-port", "7761", "--cluster-token", token]
+    if hide:  # `ip netns exec` gives the command a mount namespace of its own: the host keeps its view
+        cmd = ["sh", "-c", f'mount -t tmpfs none "{hide}" && exec "$@"', "sh", *cmd]
+    env = {**os.environ, "METAL_CLUSTER_CACHE": str(tmp_path / f"cache-{address}")}
+    return netns.popen(ns, cmd, tmp_path / f"worker-{address}.log", env=env)
+
+
+def fetched(log_path):
+    """(layers, bytes the worker fetched) since its last assignment, from its log."""
+    text = log_path.read_text()
+    last = text[text.rindex("assigned layers"):]
+    layers = tuple(int(x) for x in re.search(r"assigned layers \[(\d+), (\d+)\)", last).groups())
+    return layers, sum(int(n) for n in re.findall(r"fetched (\d+) bytes", last))
+
+
+def tensor_range(model, prefix):
+    """(offset, length) in the file of the first tensor whose name starts with `prefix`."""
+    with open(model / "model.safetensors", "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    a, b = next(i["data_offsets"] for k, i in header.items() if k.startswith(prefix))
+    return 8 + n + a, b - a
+
+
+def stage_share(model, start, end, num_layers=4, had=None):
+    """Bytes a stage of the (untied) llama fetches: its tensors (less those of the layers it `had`),
+    from the checkpoint's header read here, and the header and small files (0 with `had`)."""
+    with open(model / "model.safetensors", "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+
+    def wanted(name, start, end):
+        if name.startswith("model.layers."):
+            return start <= int(name.split(".")[2]) < end
+        return start == 0 if name.startswith("model.embed_tokens.") else end == num_layers
+
+    tensors = sum(i["data_offsets"][1] - i["data_offsets"][0] for k, i in header.items()
+                  if k != "__metadata__" and wanted(k, start, end) and not (had and wanted(k, *had)))
+    rest = 8 + n + sum(p.stat().st_size for p in model.iterdir() if p.suffix != ".safetensors")
+    return tensors, 0 if had else rest
 
 
 def wait_healthy(ns, url, proc, log, timeout=300):
@@ -52,15 +95,16 @@ def wait_healthy(ns, url, proc, log, timeout=300):
     raise AssertionError("up never became healthy:\n" + open(log).read()[-4000:])
 
 
-def check_cluster(lan, tmp_path, model, up_flags):
+def check_cluster(lan, tmp_path, model, up_flags, start_workers=True, log_name="up.log"):
     (ns_a, ip_a), (ns_b, ip_b), (ns_c, ip_c), (ns_d, ip_d) = lan
-    capture_path = tmp_path / "bridge.capture"
+    capture_path = tmp_path / f"{log_name}.capture"
     capture = netns.popen(netns.bridge_namespace(), [sys.executable, "-c", netns.CAPTURE, str(capture_path)],
-                          tmp_path / "capture.log")
-    for ns, ip in ((ns_b, ip_b), (ns_c, ip_c)):
-        start_worker(ns, ip, tmp_path)
-    start_worker(ns_d, ip_d, tmp_path, token="not-the-token")  # must be left out
-    log = tmp_path / "up.log"
+                          tmp_path / f"{log_name}.capture.log")
+    if start_workers:
+        for ns, ip in ((ns_b, ip_b), (ns_c, ip_c)):
+            start_worker(ns, ip, tmp_path, hide=model)  # no copy of the model: they fetch their layers
+        start_worker(ns_d, ip_d, tmp_path, token="not-the-token")  # must be left out
+    log = tmp_path / log_name
     up = netns.popen(ns_a, [*PY, "up", str(model), "--interface", ip_a, "--host", ip_a, "--port", "8000",
                             "--cluster-token", TOKEN, "--gpu-memory-utilization", "0.05", "--max-model-len", "512",
                             "--max-num-batched-tokens", "64", "--served-model-name", "m", *up_flags], log)
@@ -85,7 +129,7 @@ def check_cluster(lan, tmp_path, model, up_flags):
     wire = capture_path.read_bytes()
     tls_records = wire.count(b"\x17\x03\x03")  # TLS application-data record headers: the capture saw gRPC
     assert len(wire) > 100_000 and tls_records > 50, f"{len(wire)} bytes, {tls_records} TLS records captured: " \
-                                                     f"{(tmp_path / 'capture.log').read_text()}"
+                                                     f"{(tmp_path / f'{log_name}.capture.log').read_text()}"
     assert TOKEN.encode() not in wire
     # The model's path travels in every AssignRequest: in the clear over plaintext gRPC (protobuf is
     # not compressed), so its absence says the control plane was encrypted.
@@ -99,10 +143,35 @@ def test_up_finds_workers_by_mdns_alone(lan, tmp_path, llama_model):
 
 
 def test_up_with_static_peers_and_mdns_off(lan, tmp_path, llama_model):
-    (_, _), (_, ip_b), (_, ip_c), (_, ip_d) = lan
+    """Also: workers with no copy of the model fetch their layers' share of it; a second `up` moves no
+    weight bytes, but fetches again the one piece corrupted in a worker's cache."""
+    (ns_a, _), (_, ip_b), (_, ip_c), (_, ip_d) = lan
     peers = f"{ip_b}:7760,{ip_c}:7760,{ip_d}:7760"
-    text = check_cluster(lan, tmp_path, llama_model, ["--no-mdns", "--peers", peers, "--discovery-timeout", "60"])
-    assert "looking for workers" not in text
+    flags = ["--no-mdns", "--peers", peers, "--discovery-timeout", "60"]
+    text = check_cluster(lan, tmp_path, llama_model, flags)
+    assert "looking for workers" not in text and "model store:" in text
+    for ip in (ip_b, ip_c):
+        (a, b), received = fetched(tmp_path / f"worker-{ip}.log")
+        tensors, rest = stage_share(llama_model, a, b)
+        assert received == tensors + rest, (ip, a, b)
+        total = (llama_model / "model.safetensors").stat().st_size
+        assert tensors < 0.75 * total  # a share of the checkpoint, not a copy of it
+
+    netns.kill_all(ns_a)  # the coordinator goes; the workers are claimed by the next one
+    blob = next(p for p in (tmp_path / f"cache-{ip_c}" / "blobs").iterdir()
+                if p.stat().st_size == (llama_model / "model.safetensors").stat().st_size)
+    (a, b), _ = fetched(tmp_path / f"worker-{ip_c}.log")
+    offset, length = tensor_range(llama_model, f"model.layers.{a}.")
+    with open(blob, "r+b") as f:  # one byte of a tensor of c's first layer
+        f.seek(offset + length // 2)
+        byte = f.read(1)
+        f.seek(offset + length // 2)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    check_cluster(lan, tmp_path, llama_model, flags, start_workers=False, log_name="up-again.log")
+    assert fetched(tmp_path / f"worker-{ip_b}.log")[1] == 0  # nothing moved: all in its cache
+    assert "failed their hash" not in (tmp_path / f"worker-{ip_b}.log").read_text()
+    assert fetched(tmp_path / f"worker-{ip_c}.log") == ((a, b), length)  # only the corrupted piece
+    assert "failed their hash" in (tmp_path / f"worker-{ip_c}.log").read_text()
 
 
 STREAMS = """
@@ -145,7 +214,7 @@ def test_a_lost_host_mid_traffic_is_healed_around(lan, tmp_path, llama_model, fa
 
     (ns_a, ip_a), (ns_b, ip_b), (ns_c, ip_c), _ = lan
     for ns, ip in ((ns_b, ip_b), (ns_c, ip_c)):
-        start_worker(ns, ip, tmp_path)
+        start_worker(ns, ip, tmp_path, hide=llama_model)
     log = tmp_path / "up.log"
     up = netns.popen(ns_a, [*PY, "up", str(llama_model), "--interface", ip_a, "--host", ip_a, "--port", "8000",
                             "--cluster-token", TOKEN, "--gpu-memory-utilization", "0.05", "--max-model-len", "512",
@@ -154,6 +223,7 @@ def test_a_lost_host_mid_traffic_is_healed_around(lan, tmp_path, llama_model, fa
                             "--stage-timeout", "3"], log)
     url = f"http://{ip_a}:8000"
     wait_healthy(ns_a, url, up, log)
+    before = fetched(tmp_path / f"worker-{ip_b}.log")[0]
     ref_model, tokenizer = load(str(llama_model))
     prompts = [tokenizer.encode(p) for p in PROMPTS * 3][:8]
     client = subprocess.Popen(["ip", "netns", "exec", ns_a, sys.executable, "-c", STREAMS, f"{url}/v1",
@@ -183,3 +253,5 @@ def test_a_lost_host_mid_traffic_is_healed_around(lan, tmp_path, llama_model, fa
     hosts = sorted(n["address"].rsplit(":", 1)[0] for n in status["nodes"])
     assert hosts == [ip_a, ip_b] and sorted(s["layers"] for s in status["stages"]) == [[0, 2], [2, 4]]
     assert "re-planned" in log.read_text()
+    after, received = fetched(tmp_path / f"worker-{ip_b}.log")  # the survivor fetched only what it lacked
+    assert received == stage_share(llama_model, *after, had=before)[0] and after != before

@@ -1,0 +1,123 @@
+"""Weights over the model store vs a plain TCP stream, between two network namespaces (needs root).
+
+Builds a random-weight llama checkpoint of a few hundred MB (tests/tiny_models.py; nothing is
+downloaded), serves it from the coordinator's model store in one namespace and fetches all of it
+into an empty cache in the other (manifest, pieces, sha256 of each, writes to disk), then sends
+the same file's bytes over one plain TCP connection between the same two namespaces: received and
+dropped, and received and written to a file. Run: `.venv/bin/python bench/model_transfer.py`.
+"""
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+import netns  # noqa: E402
+import tiny_models  # noqa: E402
+
+STORE = """
+import sys, time
+from metal_cluster.coordinator import model_store
+from metal_cluster.stage_worker.model_source import resolve_model
+s = model_store.start(resolve_model(sys.argv[1]), "bench", sys.argv[2], "bench-token", port=7790)
+print(s.manifest.sha256, flush=True)
+time.sleep(3600)
+"""
+FETCH = """
+import sys, time, json
+from pathlib import Path
+from metal_cluster.stage_worker.fetch import fetch_stage
+import mlx_lm.utils  # imported before the clock starts, as in a worker
+t = time.perf_counter()
+got = fetch_stage(sys.argv[1], sys.argv[2], 0, int(sys.argv[3]), "bench-token", root=Path(sys.argv[4]))
+print(json.dumps({"bytes": got.received, "s": time.perf_counter() - t}))
+"""
+SEND = """
+import socket, sys
+srv = socket.create_server((sys.argv[1], 7791))
+conn, _ = srv.accept()
+with open(sys.argv[2], "rb") as f:
+    conn.sendfile(f)
+conn.close()
+"""
+RECV = """
+import socket, sys, time, json
+t = time.perf_counter()
+s = socket.create_connection((sys.argv[1], 7791))
+out = open(sys.argv[2], "wb") if sys.argv[2] != "-" else None
+n = 0
+while True:
+    data = s.recv(1 << 20)
+    if not data:
+        break
+    n += len(data)
+    if out:
+        out.write(data)
+if out:
+    out.close()
+print(json.dumps({"bytes": n, "s": time.perf_counter() - t}))
+"""
+
+
+def tcp(ns_a, ip_a, ns_b, path: Path, sink: str) -> dict:
+    sender = subprocess.Popen(["ip", "netns", "exec", ns_a, sys.executable, "-c", SEND, ip_a, str(path)])
+    try:
+        time.sleep(0.5)
+        out = netns.run(ns_b, [sys.executable, "-c", RECV, ip_a, sink], timeout=600)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    finally:
+        sender.wait(timeout=30)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="mc-bench-transfer-"))
+    try:
+        model = tiny_models.build_tiny_model("llama", work / "model", num_layers=args.layers,
+                                             hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                                             num_heads=16, num_kv_heads=4)
+        size = sum(p.stat().st_size for p in model.iterdir())
+        print(f"checkpoint: {size / 2**20:.0f} MiB, {args.layers} layers", flush=True)
+        with netns.lan(2, net=78) as [(ns_a, ip_a), (ns_b, _)]:
+            store = subprocess.Popen(["ip", "netns", "exec", ns_a, sys.executable, "-c", STORE, str(model), ip_a],
+                                     stdout=subprocess.PIPE, text=True)
+            try:
+                manifest = store.stdout.readline().strip()  # after hashing: the store is up
+                rows = {"model store (fetch, verify, write)": [], "plain TCP, dropped": [],
+                        "plain TCP, written to a file": []}
+                for k in range(args.runs):
+                    cache = work / f"cache-{k}"
+                    out = netns.run(ns_b, [sys.executable, "-c", FETCH, f"{ip_a}:7790", manifest, str(args.layers),
+                                           str(cache)], timeout=600)
+                    assert out.returncode == 0, out.stderr[-2000:]
+                    rows["model store (fetch, verify, write)"].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                    shutil.rmtree(cache)
+                    rows["plain TCP, dropped"].append(tcp(ns_a, ip_a, ns_b, model / "model.safetensors", "-"))
+                    sink = work / "sink"
+                    rows["plain TCP, written to a file"].append(tcp(ns_a, ip_a, ns_b, model / "model.safetensors",
+                                                                    str(sink)))
+                    sink.unlink()
+            finally:
+                store.kill()
+        best = {name: max(r["bytes"] / r["s"] for r in runs) for name, runs in rows.items()}
+        for name, rate in best.items():
+            print(f"{name}: {rate / 2**20:.0f} MiB/s (best of {args.runs})")
+        store_rate = best["model store (fetch, verify, write)"]
+        print(f"model store / plain TCP dropped: {store_rate / best['plain TCP, dropped']:.0%}; "
+              f"/ plain TCP written: {store_rate / best['plain TCP, written to a file']:.0%}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

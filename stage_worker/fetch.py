@@ -1,0 +1,250 @@
+"""Fetch from the coordinator's model store what one stage needs, into the worker's cache, and
+give back a model folder that loads like a local one.
+
+The stage needs the small files (config, tokenizer) whole, and of the weight files their headers
+and the tensors of its layers (plus the embedding and head where it holds them). Pieces already
+in the cache, and matching their hash, are not fetched again; a transfer cut off part way leaves
+the pieces that arrived, so the next one fetches only the rest.
+"""
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from metal_cluster.proto import PROTO_VERSION, pb
+from metal_cluster.proto import cluster_pb2_grpc as pb_grpc
+from metal_cluster.stage_worker import cluster_tls
+from metal_cluster.stage_worker import manifest as manifests
+from metal_cluster.stage_worker.errors import ModelLoadError
+from metal_cluster.stage_worker.model_source import cache_dir
+from metal_cluster.stage_worker.weights_cache import BlobStore
+
+log = logging.getLogger("metal_cluster.worker")
+MAX_MESSAGE = 64 * 2**20
+BATCH_BYTES = 256 * 2**20  # pieces asked for in one Read: a cut-off stream loses little
+
+
+@dataclass
+class FetchProgress:
+    """What Health reports while a stage loads: this load's bytes, and all bytes received."""
+
+    total: int = 0
+    done: int = 0
+    received: int = 0
+
+
+@dataclass
+class Fetched:
+    folder: Path
+    tensors: set[str] = field(default_factory=set)  # the tensors this stage holds, as the files name them
+    received: int = 0  # bytes that came over the wire for this load
+
+
+def fetch_stage(address: str, manifest_sha: str, start: int, end: int, token: str | None,
+                progress: FetchProgress | None = None, root: Path | None = None,
+                cache_limit: int = 0) -> Fetched:
+    """`cache_limit` (bytes, 0: none): blobs of other models, least recently used first, are removed
+    to keep the cache within it."""
+    progress = progress or FetchProgress()
+    root = root or cache_dir()
+    channel = cluster_tls.channel(address, token, options=[("grpc.max_receive_message_length", MAX_MESSAGE)],
+                                  common_name="stage-fetch")
+    try:
+        client = _Client(pb_grpc.ModelStoreStub(channel), address)
+        manifest = client.manifest()
+        if manifest_sha and manifest.sha256 != manifest_sha:
+            raise ModelLoadError(f"the model store at {address} serves another model version than the plan's "
+                                 f"({manifest.sha256[:12]}, not {manifest_sha[:12]}): the model changed; re-plan")
+        return _Fetch(client, manifest, BlobStore(root / "blobs"), root, progress, cache_limit).run(start, end)
+    finally:
+        channel.close()
+
+
+class _Client:
+    def __init__(self, stub, address: str):
+        self.stub, self.address = stub, address
+
+    def manifest(self) -> pb.ManifestResponse:
+        try:
+            return self.stub.Manifest(pb.ManifestRequest(version=PROTO_VERSION), timeout=60)
+        except grpc.RpcError as e:
+            why = cluster_tls.refusal(e.details()) or e.details() or e.code().name
+            raise ModelLoadError(f"cannot get the model's manifest from {self.address}: {why}") from None
+
+    def read(self, manifest_sha: str, path: str, pieces: list[pb.Piece]):
+        req = pb.ReadRequest(version=PROTO_VERSION, manifest_sha256=manifest_sha, path=path,
+                             pieces=[pb.Piece(offset=p.offset, length=p.length) for p in pieces])
+        try:
+            yield from self.stub.Read(req)
+        except grpc.RpcError as e:
+            raise ModelLoadError(f"fetching {path} from {self.address} failed: {e.details() or e.code().name}") from None
+
+
+class _Fetch:
+    def __init__(self, client: _Client, manifest: pb.ManifestResponse, blobs: BlobStore, root: Path,
+                 progress: FetchProgress, cache_limit: int = 0):
+        self.client, self.manifest, self.blobs, self.progress = client, manifest, blobs, progress
+        self.cache_limit = cache_limit
+        self.folder = root / "models" / manifest.sha256[:16]
+        self.received = 0
+
+    def run(self, start: int, end: int) -> Fetched:
+        small = [f for f in self.manifest.files if f.format == "other"]
+        weights = [f for f in self.manifest.files if f.format != "other"]
+        self._get({f.path: (f, list(f.pieces)) for f in small}, "config and tokenizer files")
+        self._link(small)  # config.json is read from the folder to pick the tensors
+        config = json.loads((self.folder / "config.json").read_text())
+        num_layers = config["num_hidden_layers"]
+        if not 0 <= start < end <= num_layers:
+            raise ModelLoadError(f"layer range [{start}, {end}) is outside the model's {num_layers} layers")
+        tied = ties_embeddings(config)
+        kept = {t.name for f in weights for t in f.tensors if manifests.stage_keeps(t.name, start, end, num_layers, tied)}
+        self._get({f.path: (f, wanted_pieces(f, kept)) for f in weights}, f"layers [{start}, {end})")
+        self._link(weights)
+        self._write_gguf_source(weights)
+        return Fetched(self.folder, kept, self.received)
+
+    def _get(self, wanted: dict[str, tuple[pb.ModelFile, list[pb.Piece]]], what: str) -> None:
+        with_locks = sorted(wanted.items())
+        missing = {}
+        for name, (entry, pieces) in with_locks:
+            with self.blobs.locked(entry.sha256):
+                missing[name] = (entry, self.blobs.missing(entry, pieces))
+        for entry, _ in wanted.values():  # every file exists, at its size, even one with nothing to fetch
+            with self.blobs.locked(entry.sha256):
+                os.close(self.blobs.open_for_write(entry))
+        need = sum(p.length for _, ps in missing.values() for p in ps)
+        cached = sum(p.length for _, ps in wanted.values() for p in ps) - need
+        self.progress.total, self.progress.done = need, 0
+        if not need:
+            log.info("%s of %s: all %d bytes already in the cache", what, self.manifest.name, cached)
+            return
+        self._make_room(need)
+        self._check_disk(need)
+        log.info("fetching %d bytes of %s for %s from %s (%d bytes already in the cache)",
+                 need, self.manifest.name, what, self.client.address, cached)
+        began = time.monotonic()
+        for name, (entry, pieces) in missing.items():
+            with self.blobs.locked(entry.sha256):  # another stage on this host may write it too
+                for batch in _batches(pieces):
+                    self._read_into(entry, batch)
+        took = max(time.monotonic() - began, 1e-6)
+        log.info("fetched %d bytes for %s in %.1fs (%.1f MB/s)", need, what, took, need / took / 1e6)
+
+    def _read_into(self, entry: pb.ModelFile, pieces: list[pb.Piece]) -> None:
+        fd = self.blobs.open_for_write(entry)
+        try:
+            queue = iter(pieces)
+            piece, h, at = next(queue), hashlib.sha256(), 0
+            for chunk in self.client.read(self.manifest.sha256, entry.path, pieces):
+                if chunk.offset != piece.offset + at or at + len(chunk.data) > piece.length:
+                    raise ModelLoadError(f"the model store sent bytes of {entry.path} out of order")
+                _write(fd, chunk.data, chunk.offset)
+                h.update(chunk.data)
+                at += len(chunk.data)
+                self.received += len(chunk.data)
+                self.progress.received += len(chunk.data)
+                self.progress.done += len(chunk.data)
+                if at == piece.length:
+                    if h.hexdigest() != piece.sha256:
+                        raise ModelLoadError(f"a piece of {entry.path} at byte {piece.offset} arrived with the wrong "
+                                             "hash: the coordinator's copy changed or the link corrupts data")
+                    self.blobs.record(entry.sha256, piece)
+                    piece, h, at = next(queue, None), hashlib.sha256(), 0
+            if piece is not None:
+                raise ModelLoadError(f"the model store ended {entry.path} early (at byte {piece.offset + at})")
+        finally:
+            os.close(fd)
+
+    def _make_room(self, need: int) -> None:
+        """Within --cache-limit: evict other models' blobs first; refuse when this model alone is too big."""
+        if not self.cache_limit:
+            return
+        mine = {f.sha256 for f in self.manifest.files}
+        for sha in mine:
+            self.blobs.touch(sha)
+        removed = self.blobs.evict(self.cache_limit - need, keep=mine)
+        if removed:
+            log.info("cache limit %.2f GiB: removed %d file(s) of models no plan here uses",
+                     self.cache_limit / 2**30, len(removed))
+        held = sum(self.blobs.disk_bytes(sha) for sha in mine)
+        if held + need > self.cache_limit:
+            raise ModelLoadError(f"this stage needs {(held + need) / 2**30:.2f} GiB in the cache, over the worker's "
+                                 f"--cache-limit of {self.cache_limit / 2**30:.2f} GiB: raise it")
+
+    def _check_disk(self, need: int) -> None:
+        self.blobs.root.mkdir(parents=True, exist_ok=True)
+        free = shutil.disk_usage(self.blobs.root).free
+        if free < need:
+            raise ModelLoadError(f"this worker's disk has {free / 2**30:.2f} GiB free at {self.blobs.root}, and "
+                                 f"its layers need {need / 2**30:.2f} GiB more: free space or set METAL_CLUSTER_CACHE")
+
+    def _link(self, files: list[pb.ModelFile]) -> None:
+        for f in files:
+            link = self.folder / f.path
+            link.parent.mkdir(parents=True, exist_ok=True)
+            tmp = link.with_name(f".{link.name}.{os.getpid()}")
+            tmp.unlink(missing_ok=True)
+            tmp.symlink_to(self.blobs.path(f.sha256))
+            tmp.replace(link)
+
+    def _write_gguf_source(self, weights: list[pb.ModelFile]) -> None:
+        ggufs = [f for f in weights if f.format == "gguf"]
+        if ggufs:
+            text = json.dumps({"gguf": str(self.folder / ggufs[0].path)}, indent=2)
+            tmp = self.folder / f".{manifests.GGUF_SOURCE}.{os.getpid()}"
+            tmp.write_text(text)
+            tmp.replace(self.folder / manifests.GGUF_SOURCE)
+
+
+def ties_embeddings(config: dict) -> bool:
+    """Whether the model's head is its embedding matrix, as the mlx-lm model class decides."""
+    from mlx_lm.utils import _get_classes
+
+    _, args_class = _get_classes(config)
+    return bool(getattr(args_class.from_dict(config), "tie_word_embeddings", False))
+
+
+def wanted_pieces(entry: pb.ModelFile, kept: set[str]) -> list[pb.Piece]:
+    """The pieces of a weight file a stage reads: those of its tensors, and those outside every
+    tensor (the header, padding), which the file's reader parses."""
+    spans = [(t.offset, t.offset + t.length) for t in entry.tensors]
+    mine = [(t.offset, t.offset + t.length) for t in entry.tensors if t.name in kept]
+
+    def overlaps(p, ranges):
+        return any(a < p.offset + p.length and p.offset < b for a, b in ranges)
+
+    return [p for p in entry.pieces if overlaps(p, mine) or not overlaps(p, spans)]
+
+
+def _batches(pieces: list[pb.Piece]):
+    batch, size = [], 0
+    for p in pieces:
+        if batch and size + p.length > BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(p)
+        size += p.length
+    if batch:
+        yield batch
+
+
+def _write(fd: int, data: bytes, offset: int) -> None:
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.pwrite(fd, view, offset)
+            view, offset = view[n:], offset + n
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise ModelLoadError("this worker's disk filled up while fetching its layers: free space or set "
+                                 "METAL_CLUSTER_CACHE") from None
+        raise

@@ -1,0 +1,122 @@
+"""The worker's content-addressed cache of model files: `blobs/<sha256 of the file>`.
+
+A blob has the whole file's size but holds only the pieces fetched so far (a sparse file: the rest
+are holes and take no disk); `<sha256>.pieces` lists the pieces that arrived and matched their
+hash. A stage's loader reads only its own tensors, so a blob with holes where other stages'
+layers are loads like the full file. Pieces are hashed again before each use: one corrupted or
+truncated on disk is found and fetched again; one that never finished arriving was never listed.
+"""
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+from metal_cluster.proto import pb
+
+log = logging.getLogger("metal_cluster.worker")
+READ_BYTES = 8 * 2**20
+
+
+class BlobStore:
+    def __init__(self, root: Path):
+        self.root = root
+
+    def path(self, sha: str) -> Path:
+        return self.root / sha
+
+    @contextlib.contextmanager
+    def locked(self, sha: str):
+        """One writer per blob: two stages on one host sharing a cache fetch a file in turn."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / f"{sha}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def recorded(self, sha: str) -> set[tuple[int, int, str]]:
+        try:
+            lines = (self.root / f"{sha}.pieces").read_text().splitlines()
+        except FileNotFoundError:
+            return set()
+        out = set()
+        for line in lines:
+            parts = line.split()
+            if len(parts) == 3:  # a line cut short by a crash is not a record
+                out.add((int(parts[0]), int(parts[1]), parts[2]))
+        return out
+
+    def missing(self, entry: pb.ModelFile, wanted: list[pb.Piece]) -> list[pb.Piece]:
+        """The wanted pieces the blob lacks, hashing again the ones it says it has."""
+        have = self.recorded(entry.sha256)
+        path = self.path(entry.sha256)
+        out, bad = [], 0
+        with contextlib.ExitStack() as stack:
+            f = stack.enter_context(open(path, "rb")) if path.exists() and have else None
+            for p in wanted:
+                if (p.offset, p.length, p.sha256) not in have:
+                    out.append(p)
+                elif _hash_range(f, p.offset, p.length) != p.sha256:
+                    out.append(p)
+                    bad += 1
+        if bad:
+            log.warning("%d cached piece(s) of %s failed their hash (corrupted or truncated on disk): "
+                        "fetching them again", bad, entry.path)
+        return out
+
+    def open_for_write(self, entry: pb.ModelFile) -> int:
+        path = self.path(entry.sha256)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        if os.fstat(fd).st_size != entry.size:  # new, or truncated on disk
+            os.ftruncate(fd, entry.size)
+        return fd
+
+    def touch(self, sha: str) -> None:
+        """Mark the blob as used now: eviction takes the blobs used longest ago first."""
+        (self.root / f"{sha}.used").touch()
+
+    def disk_bytes(self, sha: str) -> int:
+        try:
+            return self.path(sha).stat().st_blocks * 512  # what its pieces take, not its sparse size
+        except FileNotFoundError:
+            return 0
+
+    def evict(self, limit: int, keep: set[str]) -> list[str]:
+        """Remove blobs not in `keep`, least recently used first, until the cache is within `limit`
+        bytes (or only kept blobs are left). The removed blobs' hashes."""
+        blobs = [p.name for p in self.root.iterdir() if len(p.name) == 64 and "." not in p.name]
+        used = sum(self.disk_bytes(b) for b in blobs)
+        removed = []
+        for sha in sorted((b for b in blobs if b not in keep), key=self._last_used):
+            if used <= limit:
+                break
+            with self.locked(sha):
+                used -= self.disk_bytes(sha)
+                for suffix in ("", ".pieces", ".used"):
+                    (self.root / f"{sha}{suffix}").unlink(missing_ok=True)
+            removed.append(sha)
+        return removed
+
+    def _last_used(self, sha: str) -> float:
+        try:
+            return (self.root / f"{sha}.used").stat().st_mtime
+        except FileNotFoundError:
+            return 0.0
+
+    def record(self, sha: str, piece: pb.Piece) -> None:
+        with open(self.root / f"{sha}.pieces", "a") as f:
+            f.write(f"{piece.offset} {piece.length} {piece.sha256}\n")
+
+
+def _hash_range(f, offset: int, length: int) -> str:
+    h = hashlib.sha256()
+    f.seek(offset)
+    left = length
+    while left:
+        data = f.read(min(READ_BYTES, left))
+        if not data:  # the file is shorter than it must be
+            return ""
+        h.update(data)
+        left -= len(data)
+    return h.hexdigest()

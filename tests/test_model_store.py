@@ -1,0 +1,252 @@
+"""The coordinator's model store and a worker's fetch, in-process over a real gRPC server on loopback:
+only a stage's tensors travel, pieces in the cache are reused, a corrupted piece is fetched again,
+a transfer cut off part way resumes, and a changed model, a wrong token or manifest are refused."""
+
+import json
+import logging
+import os
+import struct
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+
+from metal_cluster.coordinator import model_store
+from metal_cluster.stage_worker import manifest as manifests
+from metal_cluster.stage_worker.errors import ModelLoadError
+from metal_cluster.stage_worker.fetch import FetchProgress, fetch_stage
+from metal_cluster.stage_worker.model_source import resolve_model
+from metal_cluster.stage_worker.shard import load_shard
+
+TOKEN = "store-test-token"
+
+
+@pytest.fixture
+def model(llama_model, tmp_path):
+    """A private copy: some tests change it."""
+    import shutil
+
+    return shutil.copytree(llama_model, tmp_path / "model")
+
+
+@pytest.fixture
+def store(model, tmp_path):
+    running = _start(model, tmp_path)
+    yield running
+    running.stop()
+
+
+def _start(model, tmp_path):
+    os.environ["METAL_CLUSTER_CACHE"] = str(tmp_path / "coordinator-cache")
+    try:
+        return model_store.start(resolve_model(model), "tiny", "127.0.0.1", TOKEN)
+    finally:
+        del os.environ["METAL_CLUSTER_CACHE"]
+
+
+def tensor_bytes(model, start, end, num_layers=4, tied=False):
+    """What the stage's tensors take in the checkpoint, from its header, read here independently."""
+    with open(model / "model.safetensors", "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return sum(i["data_offsets"][1] - i["data_offsets"][0] for name, i in header.items()
+               if name != "__metadata__" and manifests.stage_keeps(name, start, end, num_layers, tied))
+
+
+def small_files_bytes(model):
+    return sum(p.stat().st_size for p in model.iterdir() if p.suffix != ".safetensors")
+
+
+def fetch(store, cache, start, end, token=TOKEN, progress=None):
+    return fetch_stage(store.address, store.manifest.sha256, start, end, token, progress, root=cache)
+
+
+def test_manifest_ranges_and_hashes(store, model):
+    import hashlib
+
+    (weights,) = [f for f in store.manifest.files if f.format == "safetensors"]
+    data = (model / "model.safetensors").read_bytes()
+    assert weights.size == len(data) and weights.sha256 == hashlib.sha256(data).hexdigest()
+    for p in weights.pieces:
+        assert hashlib.sha256(data[p.offset:p.offset + p.length]).hexdigest() == p.sha256
+    assert sum(p.length for p in weights.pieces) == len(data)
+    arrays = mx.load(str(model / "model.safetensors"))
+    for t in weights.tensors:  # each range holds exactly that tensor's bytes
+        assert bytes(memoryview(arrays[t.name])) == data[t.offset:t.offset + t.length]
+    names = {f.path for f in store.manifest.files}
+    assert {"config.json", "tokenizer.json", "model.safetensors"} <= names
+
+
+def test_a_stage_fetches_only_its_layers_and_loads_like_the_full_folder(store, model, tmp_path):
+    cache = tmp_path / "worker-cache"
+    first = fetch(store, cache, 0, 2)
+    header = next(f for f in store.manifest.files if f.format == "safetensors").tensors[0].offset
+    assert first.received == tensor_bytes(model, 0, 2) + header + small_files_bytes(model)
+    mine = load_shard(resolve_model(first.folder), 0, 2, first.tensors)
+    full = load_shard(resolve_model(model), 0, 2)
+    for (n1, a), (n2, b) in zip(tree_flatten(mine.model.parameters()), tree_flatten(full.model.parameters())):
+        assert n1 == n2 and mx.array_equal(a, b)
+
+    again = fetch(store, cache, 0, 2)  # everything is in the cache: nothing travels
+    assert again.received == 0
+    last = fetch(store, cache, 2, 4)  # a re-plan: only the tensors the cache lacks
+    assert last.received == tensor_bytes(model, 2, 4)
+    shard = load_shard(resolve_model(last.folder), 2, 4, last.tensors)
+    assert shard.is_last and "lm_head" in shard.model
+
+
+def test_a_corrupted_piece_is_fetched_again(store, model, tmp_path, caplog):
+    cache = tmp_path / "worker-cache"
+    fetch(store, cache, 0, 4)
+    weights = next(f for f in store.manifest.files if f.format == "safetensors")
+    piece = next(p for p in weights.pieces if p.length > 16 and p.offset > weights.tensors[0].offset)
+    blob = cache / "blobs" / weights.sha256
+    with open(blob, "r+b") as f:
+        f.seek(piece.offset + 3)
+        byte = f.read(1)
+        f.seek(piece.offset + 3)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with caplog.at_level(logging.WARNING, logger="metal_cluster.worker"):
+        again = fetch(store, cache, 0, 4)
+    assert again.received == piece.length
+    assert "failed their hash" in caplog.text
+    assert (cache / "blobs" / weights.sha256).read_bytes() == (model / "model.safetensors").read_bytes()
+
+
+class CutOff(FetchProgress):
+    """Stops the store once `after` bytes have arrived: a transfer killed part way."""
+
+    def __init__(self, store, after):
+        self.__dict__.update(store=store, after=after)
+        super().__init__()
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name == "received" and value >= self.after:
+            self.store.server.stop(grace=0)
+
+
+def test_a_cut_off_transfer_resumes_without_sending_again_what_arrived(model, tmp_path, monkeypatch):
+    from metal_cluster.stage_worker import fetch as fetch_module
+
+    monkeypatch.setattr(fetch_module, "BATCH_BYTES", 4096)  # several reads per file, as with a big model
+    cache = tmp_path / "worker-cache"
+    store = _start(model, tmp_path)
+    total = tensor_bytes(model, 0, 4) + next(
+        f for f in store.manifest.files if f.format == "safetensors").tensors[0].offset + small_files_bytes(model)
+    cut = CutOff(store, after=total // 2)
+    with pytest.raises(ModelLoadError, match="failed|cannot get"):
+        fetch(store, cache, 0, 4, progress=cut)
+    store.stop()
+    arrived = cut.received
+    assert 0 < arrived < total
+    store = _start(model, tmp_path)  # the coordinator back, on another port
+    try:
+        rest = fetch(store, cache, 0, 4)
+    finally:
+        store.stop()
+    # Only the piece that was cut in the middle is sent twice.
+    biggest = max(p.length for f in store.manifest.files for p in f.pieces)
+    assert total - arrived <= rest.received <= total - arrived + biggest
+    weights = next(f for f in store.manifest.files if f.format == "safetensors")
+    assert (cache / "blobs" / weights.sha256).read_bytes() == (model / "model.safetensors").read_bytes()
+
+
+def test_refusals(store, model, tmp_path):
+    cache = tmp_path / "worker-cache"
+    with pytest.raises(ModelLoadError, match="not from this cluster's token"):  # the TLS handshake refuses it
+        fetch(store, cache, 0, 2, token="wrong")
+    with pytest.raises(ModelLoadError, match="another model version"):
+        fetch_stage(store.address, "0" * 64, 0, 2, TOKEN, root=cache)
+    with pytest.raises(ModelLoadError, match="outside the model's 4 layers"):
+        fetch(store, cache, 2, 9)
+    os.utime(model / "model.safetensors", ns=(1, 1))  # the coordinator's copy changed under the cluster
+    with pytest.raises(ModelLoadError, match=r"model.safetensors changed on the coordinator"):
+        fetch(store, cache, 0, 2)
+
+
+def test_the_manifest_is_cached(model, tmp_path, monkeypatch):
+    calls = []
+    describe = manifests.describe
+    monkeypatch.setattr(manifests, "describe", lambda *a, **k: calls.append(a[0]) or describe(*a, **k))
+    source = resolve_model(model)
+    first = manifests.build(source, "tiny", cache=tmp_path / "m")
+    assert calls
+    calls.clear()
+    assert manifests.build(source, "tiny", cache=tmp_path / "m") == first and not calls
+    (model / "config.json").write_text((model / "config.json").read_text() + " ")
+    assert manifests.build(source, "tiny", cache=tmp_path / "m").sha256 != first.sha256
+
+
+def test_cut_covers_files_in_pieces():
+    from metal_cluster.proto import pb
+
+    tensors = [pb.TensorRange(name="a", offset=10, length=25), pb.TensorRange(name="b", offset=40, length=5)]
+    assert manifests.cut(50, tensors, piece_bytes=10) == [(0, 10), (10, 10), (20, 10), (30, 5), (35, 5),
+                                                          (40, 5), (45, 5)]
+
+
+def test_a_gguf_stage_fetches_its_tensors_only(tmp_path):
+    """The embedded SmolLM2 GGUF: tensor ranges from its tensor table; a stage's blob is sparse."""
+    source = resolve_model(None)
+    os.environ["METAL_CLUSTER_CACHE"] = str(tmp_path / "coordinator-cache")
+    try:
+        store = model_store.start(source, "smollm", "127.0.0.1", TOKEN)
+    finally:
+        del os.environ["METAL_CLUSTER_CACHE"]
+    try:
+        got = fetch(store, tmp_path / "worker-cache", 10, 20)  # a middle stage: no embedding
+    finally:
+        store.stop()
+    (weights,) = [f for f in store.manifest.files if f.format == "gguf"]
+    mine = sum(t.length for t in weights.tensors if t.name in got.tensors)
+    header = weights.tensors[0].offset  # metadata and tensor table (the tokenizer lives there too)
+    padding = sum(p.length for p in weights.pieces if p.offset >= header and not any(
+        t.offset < p.offset + p.length and p.offset < t.offset + t.length for t in weights.tensors))
+    small = sum(f.size for f in store.manifest.files if f.format == "other")
+    assert got.received == mine + header + padding + small and mine < 0.3 * weights.size
+    blob = tmp_path / "worker-cache" / "blobs" / weights.sha256
+    assert blob.stat().st_blocks * 512 < 0.6 * weights.size  # holes where the other layers are
+    shard = load_shard(resolve_model(got.folder), 10, 20, got.tensors)
+    full = load_shard(source, 10, 20)
+    for (n1, a), (n2, b) in zip(tree_flatten(shard.model.parameters()), tree_flatten(full.model.parameters())):
+        assert n1 == n2 and mx.array_equal(a, b)
+
+
+def test_progress_lines_and_status_cell():
+    from metal_cluster.coordinator import load_progress, status
+
+    assert load_progress.line("10.0.0.2:7760", 50 * 2**20, 200 * 2**20, 10.0) == (
+        "stage 10.0.0.2:7760: fetched 50.0 of 200.0 MiB of weights (25%, 5.0 MiB/s, 30s left)")
+    assert status._fetched({"weights_fetched_bytes": 0}) == "-"
+    assert status._fetched({"weights_fetched_bytes": 2**20, "fetch_bytes_done": 2**20,
+                            "fetch_bytes_total": 4 * 2**20}) == "1.0 MiB (loading 1.0/4.0 MiB)"
+
+
+def test_a_cache_limit_evicts_other_models_least_recently_used_first(model, tmp_path):
+    import shutil
+
+    other = shutil.copytree(model, tmp_path / "other")
+    (other / "config.json").write_text((other / "config.json").read_text() + " ")  # another manifest
+    cache = tmp_path / "worker-cache"
+    size = (model / "model.safetensors").stat().st_size
+    first = _start(model, tmp_path)
+    try:
+        fetch_stage(first.address, first.manifest.sha256, 0, 4, TOKEN, root=cache, cache_limit=10 * size)
+    finally:
+        first.stop()
+    weights = next(f for f in first.manifest.files if f.format == "safetensors").sha256
+    second = _start(other, tmp_path)
+    try:
+        with pytest.raises(ModelLoadError, match="--cache-limit"):
+            fetch_stage(second.address, second.manifest.sha256, 0, 4, TOKEN, root=cache, cache_limit=size // 2)
+        # Room for one model: the first one's files go, except those the second shares (same hash).
+        got = fetch_stage(second.address, second.manifest.sha256, 0, 4, TOKEN, root=cache,
+                          cache_limit=int(1.5 * size))
+    finally:
+        second.stop()
+    assert got.received > 0
+    shared = {f.sha256 for f in second.manifest.files}
+    assert weights in shared  # the weights did not change: they are used in place, not fetched again
+    left = {p.name for p in (cache / "blobs").iterdir() if "." not in p.name}
+    assert left == shared

@@ -250,3 +250,23 @@ def test_a_cache_limit_evicts_other_models_least_recently_used_first(model, tmp_
     assert weights in shared  # the weights did not change: they are used in place, not fetched again
     left = {p.name for p in (cache / "blobs").iterdir() if "." not in p.name}
     assert left == shared
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_a_fetched_stage_of_a_family_that_renames_its_tensors_loads(family, tmp_path):
+    """MoE experts stacked by sanitize, MLA's kv_b_proj split into two: parameters with no name of
+    their own in the checkpoint load from the fetched layer's tensors, and equal the full folder's."""
+    import tiny_models
+
+    folder = tiny_models.build_tiny_model(family, tmp_path / family, num_layers=6)
+    running = _start(folder, tmp_path)
+    try:
+        got = fetch(running, tmp_path / "worker-cache", 2, 4)
+    finally:
+        running.stop()
+    assert got.received < (folder / "model.safetensors").stat().st_size / 2
+    mine = load_shard(resolve_model(got.folder), 2, 4, got.tensors)
+    full = load_shard(resolve_model(folder), 2, 4)
+    for (n1, a), (n2, b) in zip(tree_flatten(mine.model.parameters()), tree_flatten(full.model.parameters())):
+        assert n1 == n2 and mx.array_equal(a, b)
+    assert any(".switch_mlp." in n or "embed_q" in n for n, _ in tree_flatten(mine.model.parameters()))

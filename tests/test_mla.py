@@ -209,5 +209,7 @@ def test_paged_latent_attention_equals_mlx_lm_module(q_lora_rank, batched_decode
                 expected.append(attn(h, create_attention_mask(h, cache, return_array=True), cache)[0])
         ours = [g[r] for g in got if r in g]
         assert len(ours) == len(expected)
+        # On a GPU float32 matmuls reduce in another order (measured on an H200: up to 5e-5 here).
+        tol = 1e-5 if mx.default_device().type == mx.DeviceType.cpu else 2e-4
         for o, e in zip(ours, expected):
-            assert mx.allclose(o, e, atol=1e-5, rtol=1e-5).item(), (r, mx.abs(o - e).max().item())
+            assert mx.allclose(o, e, atol=tol, rtol=tol).item(), (r, mx.abs(o - e).max().item())

@@ -127,9 +127,23 @@ def _reexec(reason: str) -> None:
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    # MLX's ring sockets are not close-on-exec; a leaked listener would hold the ring port.
-    os.closerange(3, 65536)
+    # MLX's ring sockets are not close-on-exec; a leaked listener would hold the ring port. Marked
+    # close-on-exec rather than closed here: gRPC's poller threads still run until execv, and one
+    # that finds its epoll descriptor closed under it aborts the process ("epoll_wait error: Bad file
+    # descriptor"), which is how a resetting worker used to die instead of coming back idle.
+    _close_on_exec()
     os.execv(sys.executable, sys.orig_argv)
+
+
+def _close_on_exec() -> None:
+    fd_dir = next((d for d in ("/proc/self/fd", "/dev/fd") if os.path.isdir(d)), None)
+    fds = [int(f) for f in os.listdir(fd_dir)] if fd_dir else range(3, 65536)
+    for fd in fds:
+        if fd > 2:
+            try:
+                os.set_inheritable(fd, False)
+            except OSError:  # closed meanwhile, or the listing's own descriptor
+                pass
 
 
 def serve(host: str, port: int, ring_port: int, token: str, advertise_ip: str | None = None,

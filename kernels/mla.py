@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from metal_cluster.kernels import _sub_batch, paged_attention
 from metal_cluster.kernels.metadata import AttentionMetadata
+from metal_cluster.kernels.reference import stitch
 
 
 def paged_mla_attention(q_nope, q_pe, pool, meta: AttentionMetadata, scale: float, embed_q, unembed_out):
@@ -42,19 +43,8 @@ def paged_mla_attention(q_nope, q_pe, pool, meta: AttentionMetadata, scale: floa
         q_abs = mx.concatenate([q_latent, q_pe[index].astype(q_latent.dtype)], axis=-1)
         out = paged_attention(q_abs, pool, pool[..., :latent_dim], sub, scale)  # [R, H, kv_lora_rank]
         single_out = _per_head(unembed_out, out)
-        if len(singles) == len(q_lens):
-            return single_out
-    outputs, single_slot = [], {r: i for i, r in enumerate(singles)}
-    for r, n in enumerate(q_lens):
-        if n == 0:
-            continue
-        if r in single_slot:
-            i = single_slot[r]
-            outputs.append(single_out[i : i + 1])
-            continue
-        s = starts[r]
-        outputs.append(_expanded_one(q_nope[s : s + n], q_pe[s : s + n], pool, meta, r, scale, embed_q, unembed_out))
-    return mx.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
+    return stitch(q_lens, singles, single_out, lambda r: _expanded_one(
+        q_nope[starts[r] : starts[r + 1]], q_pe[starts[r] : starts[r + 1]], pool, meta, r, scale, embed_q, unembed_out))
 
 
 def _per_head(linear, x):

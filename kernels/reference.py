@@ -22,18 +22,21 @@ def paged_attention_reference(q, k_pool, v_pool, meta: AttentionMetadata, scale,
     if decodes and max(ctx_lens[r] for r in decodes) > BATCHED_DECODE_MAX_CONTEXT:
         decodes = []
     decoded = _decode_batch(q, k_pool, v_pool, meta, decodes, scale, sliding_window, sinks) if decodes else None
-    if len(decodes) == len(q_lens):
-        return decoded
-    outputs, starts = [], _starts(q_lens)
-    decode_slot = {r: i for i, r in enumerate(decodes)}
-    for r, (q_len, ctx_len) in enumerate(zip(q_lens, ctx_lens)):
-        if q_len == 0:
+    starts = _starts(q_lens)
+    return stitch(q_lens, decodes, decoded, lambda r: _prefill_one(
+        q[starts[r] : starts[r] + q_lens[r]], k_pool, v_pool, meta, r, scale, sliding_window, sinks))
+
+
+def stitch(q_lens, batched: list[int], batched_out, one):
+    """The output rows in request order: requests `batched` from `batched_out` (one row each, in that
+    order), every other request with queries from `one(r)`."""
+    if len(batched) == len(q_lens):
+        return batched_out
+    outputs, slot = [], {r: i for i, r in enumerate(batched)}
+    for r, n in enumerate(q_lens):
+        if n == 0:
             continue
-        if r in decode_slot:
-            i = decode_slot[r]
-            outputs.append(decoded[i : i + 1])
-            continue
-        outputs.append(_prefill_one(q[starts[r] : starts[r] + q_len], k_pool, v_pool, meta, r, scale, sliding_window, sinks))
+        outputs.append(batched_out[slot[r] : slot[r] + 1] if r in slot else one(r))
     return mx.concatenate(outputs, axis=0) if len(outputs) > 1 else outputs[0]
 
 

@@ -289,11 +289,23 @@ def test_past_the_queue_limit_requests_get_503_with_retry_after(tiny_server):
     _wait_kv_free(tiny_server)
 
 
+def _generated_tokens(url) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    return sum(float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
 def test_a_client_that_disconnects_frees_its_kv_blocks_at_once(tiny_server):
+    """Freed by the abort, not by the request running out: the server generated far fewer tokens
+    than the request asked for. (A wall-clock bound alone failed on a loaded CI machine, where the
+    whole request may finish in about the time the bound allows.)"""
     import httpx
 
-    body = {"model": "tiny", "prompt": "a long story", "max_tokens": MAX_MODEL_LEN - 16, "temperature": 0,
+    max_tokens = MAX_MODEL_LEN - 16
+    body = {"model": "tiny", "prompt": "a long story", "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "ignore_eos": True}
+    before = _generated_tokens(tiny_server)
     with httpx.stream("POST", f"{tiny_server}/v1/completions", json=body, timeout=120) as r:
         lines = r.iter_lines()
         deadline = time.monotonic() + 60
@@ -305,8 +317,9 @@ def test_a_client_that_disconnects_frees_its_kv_blocks_at_once(tiny_server):
             assert time.monotonic() < deadline, "the request never showed in the KV counts"
     # The connection is closed here, mid-stream.
     freed_s = _wait_kv_free(tiny_server)
-    assert freed_s < 2.5, f"blocks freed {freed_s:.2f}s after the disconnect"  # status refreshes once a second
-    print(f"KV blocks freed {freed_s:.2f}s after the client disconnected")
+    generated = _generated_tokens(tiny_server) - before
+    assert generated < max_tokens / 2, f"{generated:.0f} of {max_tokens} tokens generated: the request ran on"
+    print(f"KV blocks freed {freed_s:.2f}s after the client disconnected, {generated:.0f} tokens generated")
 
 
 def test_fuzzed_api_gives_no_server_error_and_leaks_nothing(client, tiny_server, tmp_path):

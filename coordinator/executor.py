@@ -34,13 +34,18 @@ from metal_cluster.coordinator.executor_env import (
 from metal_cluster.coordinator.monitor import Monitor
 from metal_cluster.coordinator.stages import LazyFuture, LocalStage, Pipeline, RemoteStage, even_split, wire_dtype
 from metal_cluster.coordinator.step_translation import StepTranslator, to_runner_output
+from metal_cluster.stage_worker.dtypes import from_name
 from metal_cluster.stage_worker.families import family_of
+from metal_cluster.stage_worker.kv_layout import layer_groups
 from metal_cluster.stage_worker.memory import KVBudget, MemoryBudgetError
+from metal_cluster.stage_worker.paged_kv import request_bytes
 
 # A child of vLLM's logger, so our lines come out with the engine's own (same format, same process tag).
 log = logging.getLogger("vllm.metal_cluster.executor")
 
 RING_TIMEOUT_S = 60
+# vLLM's name for the layout a stage's pool has: a layer's blocks after another's (`paged_kv.py`).
+KV_LAYOUTS = ["LBNHC"]
 LOCAL = "local"  # the address of the in-process stage of a single-machine server
 
 
@@ -51,6 +56,32 @@ def _done(value=None, error=None) -> Future:
     else:
         future.set_result(value)
     return future
+
+
+def kv_cache_specs(caches, ranges, dtypes, block_size: int, cache_dtype: str) -> list[dict]:
+    """vLLM's KV cache spec of every layer, one dict per stage (vLLM groups them)."""
+    return [{f"model.layers.{i}.self_attn.attn": _layer_spec(caches[i], dtype, block_size, cache_dtype)
+             for i in range(a, b)} for (a, b), dtype in zip(ranges, dtypes)]
+
+
+def _layer_spec(cache, dtype, block_size: int, cache_dtype: str):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    common = dict(block_size=block_size, num_kv_heads=cache.kv_heads, head_size=cache.head_dim, dtype=dtype)
+    if cache.shared_kv:  # one latent entry per token, no separate V (MLA)
+        return MLAAttentionSpec(**common, cache_dtype_str=cache_dtype)
+    if cache.sliding_window:  # vLLM's hybrid KV manager then frees the blocks behind the window
+        return SlidingWindowSpec(**common, sliding_window=cache.sliding_window)
+    return FullAttentionSpec(**common)
+
+
+def global_kv_groups(kv_cache_configs) -> list[list[int]]:
+    """vLLM's KV cache groups over the whole model, as layer indices: each stage's config holds
+    its own layers of every group; the stages' layers are in order. One group: [] (the default)."""
+    per_stage = [layer_groups([g.layer_names for g in c.kv_cache_groups]) for c in kv_cache_configs]
+    if max(len(groups) for groups in per_stage) <= 1:
+        return []
+    return [sum((groups[g] for groups in per_stage), []) for g in range(len(per_stage[0]))]
 
 
 def _run(fn, non_block, *args):
@@ -120,41 +151,32 @@ class ClusterExecutor(Executor):
         return stage
 
     # --- KV cache sizing: one entry per stage; vLLM takes the minimum block count over them ----------
+    def _layer_caches(self):
+        config = json.loads((Path(self.model_config.model) / "config.json").read_text())
+        return family_of(config, self.model_config.model).layer_caches(config)
+
     def get_kv_cache_specs(self):
         import torch
 
-        config = json.loads((Path(self.model_config.model) / "config.json").read_text())
-        caches = family_of(config, self.model_config.model).layer_caches(config)
-        specs = []
-        for (a, b), r in zip(self.ranges, self.assigned):
-            # The stage's own KV dtype, so that vLLM's page size, and with it its block count, is the real one.
-            dtype = getattr(torch, r.dtype or "float32")
-            specs.append({
-                f"model.layers.{i}.self_attn.attn": self._layer_spec(caches[i], dtype)
-                for i in range(a, b)
-            })
-        return specs
-
-    def _layer_spec(self, cache, dtype):
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec
-
-        common = dict(block_size=self.cache_config.block_size, num_kv_heads=cache.kv_heads,
-                      head_size=cache.head_dim, dtype=dtype)
-        if cache.shared_kv:  # one latent entry per token, no separate V (MLA)
-            return MLAAttentionSpec(**common, cache_dtype_str=self.cache_config.cache_dtype)
-        return FullAttentionSpec(**common)
+        # Each stage's own KV dtype, so that vLLM's page size, and with it its block count, is the real one.
+        dtypes = [getattr(torch, r.dtype or "float32") for r in self.assigned]
+        return kv_cache_specs(self._layer_caches(), self.ranges, dtypes, self.cache_config.block_size,
+                              self.cache_config.cache_dtype)
 
     def get_supported_kv_cache_layouts(self):
-        return [["LBNHC"]] * len(self.pipeline)
+        return [KV_LAYOUTS] * len(self.pipeline)
 
     def set_kv_cache_layout(self, layout_name, cp_kv_cache_interleave_size) -> None:
         pass
 
     def determine_available_memory(self) -> list[int]:
+        caches = self._layer_caches()
+        max_len = self.model_config.max_model_len
         for (a, b), r, stage, share in zip(self.ranges, self.assigned, self.pipeline.stages, self.shares):
             budget = KVBudget(share, r.host_memory_bytes, r.weights_bytes, r.activation_bytes)
             try:
-                budget.check_fits(self.model_config.max_model_len, self.cache_config.block_size, r.bytes_per_block)
+                budget.check_fits(max_len, request_bytes(caches[a:b], max_len, self.cache_config.block_size,
+                                                         from_name(r.dtype or "float32")))
             except MemoryBudgetError as e:
                 # One clear line instead of vLLM's tracebacks from two processes; the API server sees
                 # the engine gone and `metal-cluster serve` exits non-zero.
@@ -166,14 +188,18 @@ class ClusterExecutor(Executor):
 
     def initialize_from_config(self, kv_cache_configs) -> None:
         self.num_blocks = min(c.num_blocks for c in kv_cache_configs)
+        self.kv_groups = global_kv_groups(kv_cache_configs)
         block_size = self.cache_config.block_size
         wire = wire_dtype([r.dtype for r in self.assigned])
         self.pipeline.start(self.num_blocks, replan.ring_hosts(self.pipeline.stages, self.healths), RING_TIMEOUT_S,
-                            wire)
+                            wire, self.kv_groups)
         kv = ", ".join(sorted({f"{r.dtype}: {r.bytes_per_block / block_size / 1024:.1f} KiB per token"
                                for r in self.assigned}))
-        log.info("KV cache: %d blocks x %d tokens = %d tokens on every stage (%s)%s", self.num_blocks, block_size,
-                 self.num_blocks * block_size, kv, f"; hidden states travel as {wire}" if len(self.pipeline) > 1 else "")
+        groups = (f"; {len(self.kv_groups)} KV cache groups, sliding-window layers hold only their window"
+                  if len(self.kv_groups) > 1 else "")
+        log.info("KV cache: %d blocks x %d tokens = %d tokens on every stage (%s)%s%s", self.num_blocks, block_size,
+                 self.num_blocks * block_size, kv, groups,
+                 f"; hidden states travel as {wire}" if len(self.pipeline) > 1 else "")
         run_dir = os.environ.get(RUN_DIR_ENV)
         self.monitor = Monitor(self.pipeline, self.ranges, self.model_name, Path(run_dir) if run_dir else None,
                                self.control, self.stage_timeout_s, on_lost=self._lose)
@@ -348,7 +374,8 @@ class ClusterExecutor(Executor):
             block_size=self.cache_config.block_size,
             max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
             utilization=self.cache_config.gpu_memory_utilization, max_model_len=self.model_config.max_model_len,
-            num_blocks=self.num_blocks, ring_timeout_s=RING_TIMEOUT_S,
+            num_blocks=self.num_blocks, ring_timeout_s=RING_TIMEOUT_S, kv_groups=self.kv_groups,
+            caches=self._layer_caches(),
         )
 
     # --- the rest of vLLM's executor surface ------------------------------------------------------

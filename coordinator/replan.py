@@ -7,13 +7,16 @@ why the hosts left cannot hold the model.
 
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from metal_cluster.coordinator import load_progress, placement
 from metal_cluster.coordinator.stages import Pipeline, StageCallError, wire_dtype
 from metal_cluster.proto import pb
+from metal_cluster.stage_worker.dtypes import from_name
 from metal_cluster.stage_worker.host import machine_id
+from metal_cluster.stage_worker.kv_layout import KVLayout
 from metal_cluster.stage_worker.memory import KVBudget, MemoryBudgetError
+from metal_cluster.stage_worker.paged_kv import bytes_per_block, request_bytes
 
 RESET_TIMEOUT_S = 60
 
@@ -34,6 +37,8 @@ class Settings:
     max_model_len: int
     num_blocks: int  # vLLM's block count; a new plan never holds more
     ring_timeout_s: float
+    kv_groups: list[list[int]] = field(default_factory=list)  # vLLM's KV cache groups ([]: one)
+    caches: list = field(default_factory=list)  # the family's LayerCache per layer
 
 
 @dataclass
@@ -132,14 +137,17 @@ def build(stages: list, healths: list, settings: Settings, say=lambda line: None
         with load_progress.reported(stages, say):
             assigned = pipeline.assign(settings.model, ranges, settings.block_size, settings.max_num_batched_tokens,
                                        shares)
+        caches = settings.caches
         blocks = []
-        for share, r in zip(shares, assigned):
+        for share, r, (a, b) in zip(shares, assigned, ranges):
+            dtype = from_name(r.dtype or "float32")
             KVBudget(share, r.host_memory_bytes, r.weights_bytes, r.activation_bytes).check_fits(
-                settings.max_model_len, settings.block_size, r.bytes_per_block)
-            blocks.append(r.kv_budget_bytes // r.bytes_per_block)
+                settings.max_model_len, request_bytes(caches[a:b], settings.max_model_len, settings.block_size, dtype))
+            layout = KVLayout.of_stage(settings.kv_groups, a, b)
+            blocks.append(r.kv_budget_bytes // bytes_per_block(caches[a:b], settings.block_size, dtype, layout))
         num_blocks = min(min(blocks), settings.num_blocks)
         pipeline.start(num_blocks, ring_hosts(stages, healths), settings.ring_timeout_s,
-                       wire_dtype([r.dtype for r in assigned]))
+                       wire_dtype([r.dtype for r in assigned]), settings.kv_groups)
     except (StageCallError, MemoryBudgetError) as e:
         pipeline.close()
         raise ReplanError(str(e)) from None

@@ -202,11 +202,14 @@ class Pipeline:
         ]
         return list(self.pool.map(lambda sr: sr[0].assign(sr[1]), zip(self.stages, reqs)))
 
-    def start(self, num_blocks: int, ring_hosts: list[str], ring_timeout_s: float = 60, wire: str = "") -> None:
+    def start(self, num_blocks: int, ring_hosts: list[str], ring_timeout_s: float = 60, wire: str = "",
+              kv_groups: list[list[int]] = ()) -> None:
+        """kv_groups: vLLM's KV cache groups as global layer indices (empty: one group)."""
         hostfile = json.dumps([[h] for h in ring_hosts])
+        groups = [pb.BlockIds(ids=g) for g in kv_groups]
         reqs = [
             pb.StartRequest(version=PROTO_VERSION, num_blocks=num_blocks, rank=k, world_size=len(self.stages),
-                            ring_hostfile=hostfile, ring_timeout_s=ring_timeout_s, wire_dtype=wire)
+                            ring_hostfile=hostfile, ring_timeout_s=ring_timeout_s, wire_dtype=wire, kv_groups=groups)
             for k in range(len(self.stages))
         ]
         # Every rank must be joining at once: the ring connects only when all are there.

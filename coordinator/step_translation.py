@@ -47,6 +47,7 @@ class StepTranslator:
                 req_id=new.req_id,
                 prompt_token_ids=new.prompt_token_ids,
                 block_ids=new.block_ids[0],
+                group_block_ids=[pb.BlockIds(ids=ids) for ids in new.block_ids[1:]],
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=sampling_to_proto(new.sampling_params),
             ))
@@ -68,7 +69,9 @@ class StepTranslator:
                 num_computed_tokens=cached.num_computed_tokens[i],
             )
             if cached.new_block_ids[i] is not None:
-                msg.block_ids.extend(cached.new_block_ids[i][0])
+                first, *rest = cached.new_block_ids[i]
+                msg.block_ids.extend(first)
+                msg.group_block_ids.extend(pb.BlockIds(ids=ids) for ids in rest)
             if req_id in cached.all_token_ids:
                 msg.all_token_ids.extend(cached.all_token_ids[req_id])
                 self.unsent.pop(req_id, None)  # the full history already holds them

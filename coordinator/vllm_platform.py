@@ -80,7 +80,9 @@ class MetalClusterPlatform(Platform):
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
-        return False
+        # Sliding-window layers get their own KV cache groups (executor.get_kv_cache_specs), whose
+        # blocks behind the window vLLM frees; the stages read a block table per group.
+        return True
 
     @classmethod
     def get_current_memory_usage(cls, device=None) -> float:

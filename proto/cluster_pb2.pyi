@@ -28,35 +28,45 @@ class SamplingParams(_message.Message):
     logprobs: int
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
+class BlockIds(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class NewRequest(_message.Message):
-    __slots__ = ("req_id", "prompt_token_ids", "block_ids", "num_computed_tokens", "sampling")
+    __slots__ = ("req_id", "prompt_token_ids", "block_ids", "num_computed_tokens", "sampling", "group_block_ids")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
     sampling: SamplingParams
-    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    group_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., group_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
 
 class CachedRequest(_message.Message):
-    __slots__ = ("req_id", "resumed", "block_ids", "num_computed_tokens", "new_token_ids", "all_token_ids")
+    __slots__ = ("req_id", "resumed", "block_ids", "group_block_ids", "num_computed_tokens", "new_token_ids", "all_token_ids")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ALL_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     resumed: bool
     block_ids: _containers.RepeatedScalarFieldContainer[int]
+    group_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
     num_computed_tokens: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     all_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, req_id: _Optional[str] = ..., resumed: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., all_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, req_id: _Optional[str] = ..., resumed: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., group_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., all_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScheduledTokens(_message.Message):
     __slots__ = ("req_id", "num_tokens")
@@ -169,7 +179,7 @@ class AssignResponse(_message.Message):
     def __init__(self, weights_bytes: _Optional[int] = ..., activation_bytes: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class StartRequest(_message.Message):
-    __slots__ = ("version", "num_blocks", "rank", "world_size", "ring_hostfile", "ring_timeout_s", "wire_dtype")
+    __slots__ = ("version", "num_blocks", "rank", "world_size", "ring_hostfile", "ring_timeout_s", "wire_dtype", "kv_groups")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +187,7 @@ class StartRequest(_message.Message):
     RING_HOSTFILE_FIELD_NUMBER: _ClassVar[int]
     RING_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     WIRE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     version: int
     num_blocks: int
     rank: int
@@ -184,7 +195,8 @@ class StartRequest(_message.Message):
     ring_hostfile: str
     ring_timeout_s: float
     wire_dtype: str
-    def __init__(self, version: _Optional[int] = ..., num_blocks: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., ring_hostfile: _Optional[str] = ..., ring_timeout_s: _Optional[float] = ..., wire_dtype: _Optional[str] = ...) -> None: ...
+    kv_groups: _containers.RepeatedCompositeFieldContainer[BlockIds]
+    def __init__(self, version: _Optional[int] = ..., num_blocks: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., ring_hostfile: _Optional[str] = ..., ring_timeout_s: _Optional[float] = ..., wire_dtype: _Optional[str] = ..., kv_groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
 
 class StartResponse(_message.Message):
     __slots__ = ()

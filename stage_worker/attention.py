@@ -13,12 +13,15 @@ from metal_cluster.kernels import paged_attention
 
 
 class LayerContext:
-    """What one layer needs from the step: positions, slots, attention metadata and its KV pool."""
+    """What one layer needs from the step: positions, its KV cache group's slots and attention
+    metadata, and its KV pool."""
 
     def __init__(self, batch, pool, layer_index: int):
         self.batch = batch
         self.pool = pool
         self.layer_index = layer_index
+        tables = batch.groups[pool.layout.groups[layer_index]]
+        self.slots, self.attn = tables.slot_mapping, tables.attn
 
 
 class PagedAttention(nn.Module):
@@ -42,10 +45,10 @@ class PagedAttention(nn.Module):
         if hasattr(a, "k_norm"):
             k = a.k_norm(k)
         q, k = _rope(a.rope, q, batch.positions), _rope(a.rope, k, batch.positions)
-        cache.pool.write(cache.layer_index, batch.slot_mapping, k, v)
+        cache.pool.write(cache.layer_index, cache.slots, k, v)
         k_pool, v_pool = cache.pool.layer(cache.layer_index)
         sinks = a.sinks if self.has_sinks else None
-        out = paged_attention(q, k_pool, v_pool, batch.attn, self.scale, self.sliding_window, sinks=sinks)
+        out = paged_attention(q, k_pool, v_pool, cache.attn, self.scale, self.sliding_window, sinks=sinks)
         return a.o_proj(out.reshape(1, tokens, -1))
 
 

@@ -9,13 +9,20 @@ from metal_cluster.stage_worker.request_table import PENDING, RequestTable, Step
 
 
 @dataclass
+class GroupTables:
+    """Where one KV cache group's layers write this step's tokens and read their context."""
+
+    slot_mapping: mx.array  # [total_q] flat KV slot of each token
+    attn: AttentionMetadata
+
+
+@dataclass
 class StepBatch:
     req_ids: list[str]  # in batch order, one per scheduled request
     num_tokens: list[int]
     token_ids: mx.array  # [total_q]
     positions: mx.array  # [total_q]
-    slot_mapping: mx.array  # [total_q] flat KV slot of each token
-    attn: AttentionMetadata
+    groups: list[GroupTables]  # one per KV cache group
     # Rows whose request reaches the end of its known tokens this step: only these get logits.
     logits_rows: mx.array
     sample_req_ids: list[str]
@@ -25,8 +32,9 @@ class StepBatch:
 
 
 def build_batch(table: RequestTable, scheduled, block_size: int) -> StepBatch:
-    req_ids, num_tokens, tokens, positions, slots = [], [], [], [], []
-    seq_lens, tables, logits_rows, sample_ids, pending = [], [], [], [], []
+    req_ids, num_tokens, tokens, positions = [], [], [], []
+    slots, tables = [[] for _ in range(table.num_groups)], [[] for _ in range(table.num_groups)]
+    seq_lens, logits_rows, sample_ids, pending = [], [], [], []
     for sched in scheduled:
         if sched.num_tokens == 0:
             continue
@@ -38,46 +46,52 @@ def build_batch(table: RequestTable, scheduled, block_size: int) -> StepBatch:
                 f"request {sched.req_id!r}: {n} tokens scheduled from position {start}, "
                 f"but only {len(state.token_ids)} tokens are known"
             )
-        if end > len(state.block_ids) * block_size:
-            raise StepError(
-                f"request {sched.req_id!r}: {end} tokens need {-(-end // block_size)} blocks, "
-                f"it has {len(state.block_ids)}"
-            )
+        # A sliding group's table is as long as a full one: blocks behind its window are block 0.
+        for group in state.block_tables:
+            if end > len(group) * block_size:
+                raise StepError(
+                    f"request {sched.req_id!r}: {end} tokens need {-(-end // block_size)} blocks, "
+                    f"it has {len(group)}"
+                )
         req_ids.append(sched.req_id)
         num_tokens.append(n)
         scheduled = state.token_ids[start:end]
         if PENDING in scheduled:
             pending.extend((len(tokens) + k, sched.req_id, start + k) for k, t in enumerate(scheduled) if t == PENDING)
         tokens.extend(scheduled)
-        for pos in range(start, end):
-            positions.append(pos)
-            slots.append(state.block_ids[pos // block_size] * block_size + pos % block_size)
+        positions.extend(range(start, end))
+        for group, group_slots, group_tables in zip(state.block_tables, slots, tables):
+            group_slots.extend(group[pos // block_size] * block_size + pos % block_size for pos in range(start, end))
+            group_tables.append(group)
         seq_lens.append(end)
-        tables.append(state.block_ids)
         if end == len(state.token_ids):
             logits_rows.append(len(tokens) - 1)
             sample_ids.append(sched.req_id)
 
-    max_blocks = max((len(t) for t in tables), default=0)
-    padded = [t + [0] * (max_blocks - len(t)) for t in tables]
     cu = [0]
     for n in num_tokens:
         cu.append(cu[-1] + n)
-    attn = AttentionMetadata(
-        cu_seqlens_q=mx.array(cu, dtype=mx.int32),
-        seq_lens=mx.array(seq_lens, dtype=mx.int32),
-        block_tables=mx.array(padded, dtype=mx.int32),
-        block_size=block_size,
-        query_lens_host=num_tokens,
-        seq_lens_host=seq_lens,
-    )
+    cu_seqlens_q, seq_lens_arr = mx.array(cu, dtype=mx.int32), mx.array(seq_lens, dtype=mx.int32)
+
+    def group(group_slots, group_tables) -> GroupTables:
+        max_blocks = max((len(t) for t in group_tables), default=0)
+        padded = [t + [0] * (max_blocks - len(t)) for t in group_tables]
+        attn = AttentionMetadata(
+            cu_seqlens_q=cu_seqlens_q,
+            seq_lens=seq_lens_arr,
+            block_tables=mx.array(padded, dtype=mx.int32),
+            block_size=block_size,
+            query_lens_host=num_tokens,
+            seq_lens_host=seq_lens,
+        )
+        return GroupTables(mx.array(group_slots, dtype=mx.int32), attn)
+
     return StepBatch(
         req_ids=req_ids,
         num_tokens=num_tokens,
         token_ids=mx.array(tokens, dtype=mx.int32),
         positions=mx.array(positions, dtype=mx.int32),
-        slot_mapping=mx.array(slots, dtype=mx.int32),
-        attn=attn,
+        groups=[group(s, t) for s, t in zip(slots, tables)],
         logits_rows=mx.array(logits_rows, dtype=mx.int32),
         sample_req_ids=sample_ids,
         pending=pending,

@@ -19,6 +19,7 @@ from metal_cluster.stage_worker import memory
 from metal_cluster.stage_worker.dtypes import dtype_name, from_name
 from metal_cluster.stage_worker.auth import resolve_token
 from metal_cluster.stage_worker.fetch import FetchProgress, fetch_stage
+from metal_cluster.stage_worker.kv_layout import KVLayout
 from metal_cluster.stage_worker.model_source import resolve_model
 from metal_cluster.stage_worker.paged_kv import KVPool, bytes_per_block
 from metal_cluster.stage_worker.request_table import StepError
@@ -100,7 +101,9 @@ class StageHost:
             if req.world_size > 1:
                 wire = from_name(req.wire_dtype) if req.wire_dtype else self.dtype
                 self.ring = Ring.join(req.rank, req.world_size, req.ring_hostfile, req.ring_timeout_s or 60, wire)
-            self.runner = StageRunner(self.shard, self._allocate(req.num_blocks))
+            layout = KVLayout.of_stage([list(g.ids) for g in req.kv_groups], self.shard.start, self.shard.end,
+                                       self.shard.family.layer_caches(self.shard.config))
+            self.runner = StageRunner(self.shard, self._allocate(req.num_blocks, layout))
             self.state = "serving"
             self.touch()
         return pb.StartResponse()
@@ -197,8 +200,8 @@ class StageHost:
     def bytes_per_block(self) -> int:
         return bytes_per_block(self.shard.caches, self.block_size, self.dtype)
 
-    def _allocate(self, num_blocks: int) -> KVPool:
-        return KVPool.allocate(self.shard.caches, num_blocks, self.block_size, self.dtype)
+    def _allocate(self, num_blocks: int, layout: KVLayout | None = None) -> KVPool:
+        return KVPool.allocate(self.shard.caches, num_blocks, self.block_size, self.dtype, layout)
 
     def _measure_activation_peak(self, num_tokens: int) -> int:
         """One local prefill of num_tokens on a throw-away pool (no ring): activation bytes."""

@@ -36,9 +36,8 @@ class KVBudget:
     def kv_bytes(self) -> int:
         return max(0, int(self.utilization * self.host_bytes) - self.weights_bytes - self.activation_bytes)
 
-    def check_fits(self, max_model_len: int, block_size: int, bytes_per_block: int) -> None:
-        # One max-length request, plus vLLM's null block.
-        needed = (-(-max_model_len // block_size) + 1) * bytes_per_block
+    def check_fits(self, max_model_len: int, needed: int) -> None:
+        """`needed`: the KV bytes one max_model_len-token request holds (`paged_kv.request_bytes`)."""
         if self.kv_bytes >= needed:
             return
         raise MemoryBudgetError(

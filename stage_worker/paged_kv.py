@@ -3,31 +3,37 @@ each layer shaped as its family says (`families.LayerCache`). A layer whose cach
 array (MLA, `shared_kv`) has keys only: its values entry is None.
 
 Block ids are global across the cluster (vLLM allocates them); block 0 is vLLM's null block and is
-never written by a real token.
+never written by a real token. With several KV cache groups, layers of different groups share
+arrays (`kv_layout.KVLayout`): the pool holds one array per layout slot, not per layer.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
+
+from metal_cluster.stage_worker.kv_layout import KVLayout
 
 
 @dataclass
 class KVPool:
     # Stored flat, [num_blocks * block_size, kv_heads, head_dim]: a scatter into an array nothing
     # else references is done in place by MLX; writing through a reshaped view would copy the pool.
-    keys: list[mx.array]
+    keys: list[mx.array]  # per array of the layout
     values: list[mx.array | None]  # None for a shared_kv layer
     block_size: int
+    layout: KVLayout
 
     @classmethod
-    def allocate(cls, caches, num_blocks: int, block_size: int, dtype: mx.Dtype):
-        """One K and one V array per entry of `caches` (this stage's layers, in order); K only
-        for a shared_kv layer."""
-        shapes = [(num_blocks * block_size, c.kv_heads, c.head_dim) for c in caches]
+    def allocate(cls, caches, num_blocks: int, block_size: int, dtype: mx.Dtype, layout: KVLayout | None = None):
+        """One K and one V array per array of `layout` (default: one per entry of `caches`, this
+        stage's layers in order); K only for a shared_kv layer."""
+        layout = layout or KVLayout.one_group(len(caches))
+        kinds = array_kinds(caches, layout)
+        shapes = [(num_blocks * block_size, c.kv_heads, c.head_dim) for c in kinds]
         keys = [mx.zeros(shape, dtype=dtype) for shape in shapes]
-        values = [None if c.shared_kv else mx.zeros(shape, dtype=dtype) for c, shape in zip(caches, shapes)]
+        values = [None if c.shared_kv else mx.zeros(shape, dtype=dtype) for c, shape in zip(kinds, shapes)]
         mx.eval(keys, [v for v in values if v is not None])
-        return cls(keys, values, block_size)
+        return cls(keys, values, block_size, layout)
 
     @property
     def num_blocks(self) -> int:
@@ -48,8 +54,9 @@ class KVPool:
 
     def layer(self, i: int) -> tuple[mx.array, mx.array | None]:
         """Layer i's K and V as [num_blocks, block_size, kv_heads, head_dim] views (V None: shared_kv)."""
-        v = self.values[i]
-        return self._blocks(self.keys[i]), None if v is None else self._blocks(v)
+        a = self.layout.arrays[i]
+        v = self.values[a]
+        return self._blocks(self.keys[a]), None if v is None else self._blocks(v)
 
     def _blocks(self, flat):
         return flat.reshape(-1, self.block_size, *flat.shape[1:])
@@ -57,9 +64,10 @@ class KVPool:
     def write(self, layer: int, slots: mx.array, k: mx.array, v: mx.array | None = None) -> None:
         """Store this step's K/V ([T, kv_heads, D]) at flat slots (block * block_size + offset);
         a shared_kv layer takes K only."""
-        self.keys[layer][slots] = k.astype(self.keys[layer].dtype)
+        a = self.layout.arrays[layer]
+        self.keys[a][slots] = k.astype(self.keys[a].dtype)
         if v is not None:
-            self.values[layer][slots] = v.astype(self.values[layer].dtype)
+            self.values[a][slots] = v.astype(self.values[a].dtype)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -71,7 +79,34 @@ class KVPool:
             pool[dst] = pool[src]
 
 
-def bytes_per_block(caches, block_size: int, dtype: mx.Dtype) -> int:
+def array_kinds(caches, layout: KVLayout) -> list:
+    """The LayerCache of each array of `layout`; the layers sharing an array must agree on it."""
+    kinds = [None] * layout.num_arrays
+    for i, (cache, a) in enumerate(zip(caches, layout.arrays)):
+        if kinds[a] is not None and kinds[a] != _shape_of(cache):
+            raise ValueError(f"layer {i} ({cache}) cannot share a KV array with a layer shaped {kinds[a]}")
+        kinds[a] = _shape_of(cache)
+    return kinds
+
+
+def _shape_of(cache):
+    # Sharing an array needs the same entry shape; the window is the block table's business.
+    return replace(cache, sliding_window=None)
+
+
+def bytes_per_block(caches, block_size: int, dtype: mx.Dtype, layout: KVLayout | None = None) -> int:
     """Memory one block id costs on a stage holding the layers of `caches` (K and V, or the one
-    latent array of a shared_kv layer)."""
-    return sum(block_size * c.values_per_token * dtype.size for c in caches)
+    latent array of a shared_kv layer), laid out as `layout` says (default: an array per layer)."""
+    kinds = array_kinds(caches, layout) if layout else caches
+    return sum(block_size * c.values_per_token * dtype.size for c in kinds)
+
+
+def request_bytes(caches, num_tokens: int, block_size: int, dtype: mx.Dtype) -> int:
+    """The KV one num_tokens-long request holds on a stage with these layers, plus vLLM's null
+    block: a sliding layer holds only the blocks its window spans (vLLM frees the rest)."""
+    blocks = -(-num_tokens // block_size)
+    total = 0
+    for c in caches:
+        held = blocks if c.sliding_window is None else min(blocks, -(-(c.sliding_window - 1) // block_size) + 1)
+        total += (held + 1) * block_size * c.values_per_token * dtype.size
+    return total

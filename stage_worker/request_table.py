@@ -24,21 +24,31 @@ class RequestState:
     req_id: str
     token_ids: list[int]
     num_prompt_tokens: int
-    block_ids: list[int]
+    block_tables: list[list[int]]  # one per KV cache group (one for most models)
     num_computed_tokens: int
     sampling: pb.SamplingParams = field(default_factory=pb.SamplingParams)
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
     # history index -> (the step's device tokens, row): where a PENDING entry's token is
     on_device: dict = field(default_factory=dict)
+    # per KV cache group: the leading blocks dropped as behind a sliding window
+    forgotten: list[int] = field(default_factory=list)
 
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
 
 
+def group_tables(msg) -> list[list[int]]:
+    """A NewRequest's or CachedRequest's block ids per KV cache group."""
+    return [list(msg.block_ids), *(list(g.ids) for g in msg.group_block_ids)]
+
+
 class RequestTable:
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, windows: tuple[int | None, ...] = (None,), block_size: int = 0):
+        """windows: per KV cache group, its layers' sliding window (None: full attention)."""
         self.num_blocks = num_blocks
+        self.windows = windows
+        self.block_size = block_size
         self.requests: dict[str, RequestState] = {}
 
     def __len__(self):
@@ -60,7 +70,8 @@ class RequestTable:
                 req_id=new.req_id,
                 token_ids=list(new.prompt_token_ids),
                 num_prompt_tokens=len(new.prompt_token_ids),
-                block_ids=list(new.block_ids),
+                block_tables=group_tables(new),
+                forgotten=[0] * self.num_groups,
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=new.sampling,
                 # A seeded request draws the same tokens wherever and whenever it runs.
@@ -68,13 +79,30 @@ class RequestTable:
             )
         for cached in step.cached_requests:
             self._update(cached)
+        if any(self.windows):
+            for sched in step.scheduled:
+                self._forget_behind_window(self.requests[sched.req_id])
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
+
+    def _forget_behind_window(self, state: RequestState) -> None:
+        """What vLLM's sliding-window manager frees: blocks no query from here on can see. It
+        tells no one, and may hand them to another request; the table drops them too, so that
+        blocks_in_use counts what the stage really holds."""
+        for g, (table, window) in enumerate(zip(state.block_tables, self.windows)):
+            if window:
+                behind = min(len(table), max(0, state.num_computed_tokens - window + 1) // self.block_size)
+                table[state.forgotten[g] : behind] = [0] * max(0, behind - state.forgotten[g])
+                state.forgotten[g] = max(state.forgotten[g], behind)
 
     def blocks_in_use(self) -> int:
         """Distinct KV blocks the running requests hold (shared prefix blocks count once)."""
         # Called from health checks while a step may be changing the table: retry a torn read.
         for _ in range(3):
             try:
-                return len({b for r in list(self.requests.values()) for b in r.block_ids if b != 0})
+                return len({b for r in list(self.requests.values()) for t in r.block_tables for b in t if b != 0})
             except RuntimeError:
                 continue
         return 0
@@ -84,11 +112,14 @@ class RequestTable:
 
     def _update(self, cached: pb.CachedRequest) -> None:
         state = self.requests[cached.req_id]
+        tables = group_tables(cached)
         if cached.resumed:
-            # Preempted and back: its blocks were freed, so the block table starts over.
-            state.block_ids = list(cached.block_ids)
+            # Preempted and back: its blocks were freed, so the block tables start over.
+            state.block_tables = tables
+            state.forgotten = [0] * self.num_groups
         else:
-            state.block_ids.extend(cached.block_ids)
+            for table, added in zip(state.block_tables, tables):
+                table.extend(added)
         if cached.all_token_ids:  # the scheduler resynchronises the whole history
             state.token_ids = list(cached.all_token_ids)
             state.on_device = {}
@@ -101,12 +132,12 @@ class RequestTable:
         for new in step.new_requests:
             if not new.prompt_token_ids:
                 raise StepError(f"request {new.req_id!r} has an empty prompt")
-            self._check_blocks(new.req_id, new.block_ids)
+            self._check_groups(new.req_id, new, required=True)
             known.add(new.req_id)
         for cached in step.cached_requests:
             if cached.req_id not in known:
                 self[cached.req_id]
-            self._check_blocks(cached.req_id, cached.block_ids)
+            self._check_groups(cached.req_id, cached, required=cached.resumed)
         for sched in step.scheduled:
             if sched.req_id not in known:
                 raise StepError(f"unknown request {sched.req_id!r} scheduled: it was never sent as a new request or is finished")
@@ -114,6 +145,16 @@ class RequestTable:
                 raise StepError(f"request {sched.req_id!r}: negative num_tokens {sched.num_tokens}")
         for copy in step.block_copies:
             self._check_blocks("block copy", [copy.src, copy.dst])
+
+    def _check_groups(self, req_id: str, msg, required: bool) -> None:
+        """One block table per KV cache group (a cached request may leave all of them out)."""
+        tables = group_tables(msg)
+        given = len(tables) if (msg.group_block_ids or required) else self.num_groups
+        if given != self.num_groups:
+            raise StepError(f"request {req_id!r}: {given} block tables for a stage with {self.num_groups} "
+                            "KV cache group(s)")
+        for table in tables:
+            self._check_blocks(req_id, table)
 
     def _check_blocks(self, req_id: str, block_ids) -> None:
         for b in block_ids:

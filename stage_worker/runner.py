@@ -57,7 +57,7 @@ class StageRunner:
     def __init__(self, shard: ModelShard, pool: KVPool):
         self.shard = shard
         self.pool = pool
-        self.table = RequestTable(pool.num_blocks)
+        self.table = RequestTable(pool.num_blocks, pool.layout.windows, pool.block_size)
 
     def step(self, step: pb.StepRequest, hidden_in: mx.array | None = None) -> StageOutput:
         """prepare + run, waited for."""

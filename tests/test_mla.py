@@ -168,6 +168,7 @@ def test_paged_latent_attention_equals_mlx_lm_module(q_lora_rank, batched_decode
 
     from metal_cluster.kernels.metadata import AttentionMetadata
     from metal_cluster.stage_worker.attention import LayerContext
+    from metal_cluster.stage_worker.batch import GroupTables
     from metal_cluster.stage_worker.families.deepseek_v3 import PagedLatentAttention
 
     mx.random.seed(3)
@@ -194,8 +195,8 @@ def test_paged_latent_attention_equals_mlx_lm_module(q_lora_rank, batched_decode
             seq_lens=mx.array([s + n for _, s, n in rows], dtype=mx.int32),
             block_tables=mx.array([tables[r] + [0] * (width - len(tables[r])) for r, _, _ in rows], dtype=mx.int32),
             block_size=block_size, query_lens_host=[n for _, _, n in rows], seq_lens_host=[s + n for _, s, n in rows])
-        batch = SimpleNamespace(positions=mx.array(pos, dtype=mx.int32), slot_mapping=mx.array(slots, dtype=mx.int32),
-                                attn=meta)
+        batch = SimpleNamespace(positions=mx.array(pos, dtype=mx.int32),
+                                groups=[GroupTables(mx.array(slots, dtype=mx.int32), meta)])
         h = mx.concatenate([x[r][s : s + n] for r, s, n in rows])[None]
         out = paged(h, None, LayerContext(batch, pool, 0))[0]
         return dict(zip([r for r, _, _ in rows], mx.split(out, list(accumulate(n for _, _, n in rows))[:-1])))

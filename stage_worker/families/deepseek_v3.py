@@ -56,8 +56,8 @@ class PagedLatentAttention(nn.Module):
         latent = a.kv_a_layernorm(compressed[:, : a.kv_lora_rank])
         k_pe = compressed[:, None, a.kv_lora_rank :]  # [T, 1, rope]
         q_pe, k_pe = _rope(a.rope, q_pe, batch.positions), _rope(a.rope, k_pe, batch.positions)
-        cache.pool.write(cache.layer_index, batch.slot_mapping, mx.concatenate([latent[:, None], k_pe], axis=-1))
+        cache.pool.write(cache.layer_index, cache.slots, mx.concatenate([latent[:, None], k_pe], axis=-1))
         pool, _ = cache.pool.layer(cache.layer_index)
-        out = paged_mla_attention(q_nope, q_pe, pool, batch.attn, a.scale, a.embed_q, a.unembed_out)
+        out = paged_mla_attention(q_nope, q_pe, pool, cache.attn, a.scale, a.embed_q, a.unembed_out)
         return a.o_proj(out.reshape(1, tokens, -1))
 

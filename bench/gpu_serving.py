@@ -35,7 +35,6 @@ import platform
 import random
 import shutil
 import statistics
-import struct
 import subprocess
 import sys
 import time
@@ -230,15 +229,9 @@ def small_shards(mlx_lm_utils, small: bool):
 
 def tensor_bytes(folder: Path) -> dict[str, int]:
     """Bytes of every tensor in the folder's safetensors, from their headers (nothing is loaded)."""
-    sizes = {}
-    for path in sorted(folder.glob("model*.safetensors")):
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        for name, meta in header.items():
-            if name != "__metadata__":
-                sizes[name] = meta["data_offsets"][1] - meta["data_offsets"][0]
-    return sizes
+    from metal_cluster.stage_worker.checkpoint_sizes import read_headers
+
+    return {name: t["data_offsets"][1] - t["data_offsets"][0] for name, t in read_headers(folder).items()}
 
 
 def weight_bytes(folder: Path, config: dict) -> dict:

@@ -25,15 +25,29 @@ class WeightBytes:
     tied: bool
 
 
+def read_header(path: Path) -> tuple[dict[str, dict], int]:
+    """One safetensors file's tensors (name -> {"dtype", "shape", "data_offsets"}) and the file
+    offset their data_offsets count from; a damaged header is one ModelLoadError line."""
+    from metal_cluster.stage_worker.errors import ModelLoadError
+
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ModelLoadError(f"{path}: truncated safetensors file (no header)")
+        (size,) = struct.unpack("<Q", head)
+        try:
+            header = json.loads(f.read(size))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ModelLoadError(f"{path}: the safetensors header is not valid JSON ({e})") from None
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
 def read_headers(folder: Path) -> dict[str, dict]:
     """name -> {"dtype", "shape", "data_offsets"} over every model*.safetensors file of `folder`."""
     tensors = {}
     for path in sorted(Path(folder).glob("model*.safetensors")):
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-        header.pop("__metadata__", None)
-        tensors.update(header)
+        tensors.update(read_header(path)[0])
     return tensors
 
 

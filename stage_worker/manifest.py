@@ -10,12 +10,11 @@ No MLX here: the coordinator builds manifests without loading a model.
 """
 
 import hashlib
-import json
-import struct
 from collections.abc import Callable
 from pathlib import Path
 
 from metal_cluster.proto import PROTO_VERSION, pb
+from metal_cluster.stage_worker.checkpoint_sizes import read_header
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.model_source import ModelSource, cache_dir
 
@@ -45,19 +44,10 @@ def tensor_ranges(path: Path) -> tuple[str, list[pb.TensorRange]]:
 
 
 def _safetensors_ranges(path: Path) -> list[pb.TensorRange]:
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise ModelLoadError(f"{path}: truncated safetensors file (no header)")
-        (n,) = struct.unpack("<Q", head)
-        try:
-            header = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ModelLoadError(f"{path}: the safetensors header is not valid JSON ({e})") from None
-    base = 8 + n
+    header, base = read_header(path)
     ranges = [pb.TensorRange(name=name, offset=base + info["data_offsets"][0],
                              length=info["data_offsets"][1] - info["data_offsets"][0])
-              for name, info in header.items() if name != "__metadata__"]
+              for name, info in header.items()]
     return sorted(ranges, key=lambda r: r.offset)
 
 

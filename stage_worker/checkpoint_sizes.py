@@ -52,7 +52,10 @@ def read_headers(folder: Path) -> dict[str, dict]:
 
 
 def weight_bytes(folder: Path, config: dict, float32: bool) -> WeightBytes | None:
-    """Per-layer bytes as a stage holds them, or None when the folder has no safetensors (GGUF)."""
+    """Per-layer bytes as a stage holds them, or None when the folder holds no weights we can read."""
+    source = Path(folder) / "gguf_source.json"
+    if source.is_file():
+        return gguf_weight_bytes(Path(json.loads(source.read_text())["gguf"]), config, float32)
     tensors = read_headers(folder)
     if not tensors:
         return None
@@ -82,3 +85,32 @@ def _held_bytes(name: str, t: dict, float32: bool, bits: int | None) -> int:
     if bits and t["dtype"] == "U32":
         return stored // 4 * (32 // bits) * 4  # 32 // bits values per packed word, 4 bytes each
     return stored // _ITEMSIZE.get(t["dtype"], 4) * 4
+
+
+# Types MLX loads as affine-quantized triples (kept so on a GPU); it dequantizes the rest to float16.
+_GGUF_KEPT = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"}
+_GGUF_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+def gguf_weight_bytes(path: Path, config: dict, float32: bool) -> WeightBytes | None:
+    """The same from a GGUF's tensor table (llama.cpp's names: blk.N., token_embd, output)."""
+    from gguf import GGUFReader
+
+    try:
+        tensors = GGUFReader(path).tensors
+    except (OSError, ValueError):
+        return None  # the load says what is wrong with the file
+    layers = [0] * config["num_hidden_layers"]
+    embed = head = 0
+    for t in tensors:
+        n = int(t.n_elements) * 4 if float32 else (
+            int(t.n_bytes) if t.tensor_type.name in _GGUF_KEPT else int(t.n_elements) * 2)
+        if (m := _GGUF_LAYER.match(t.name)) is not None:
+            if int(m.group(1)) < len(layers):
+                layers[int(m.group(1))] += n
+        elif t.name.startswith("token_embd"):
+            embed += n
+        else:
+            head += n
+    tied = not any(t.name == "output.weight" for t in tensors)
+    return WeightBytes(layers, embed, head + (embed if tied else 0), tied)

@@ -375,3 +375,12 @@ def test_qwen3moe_gguf_serves_token_exact(tmp_path):
     from transformers import AutoTokenizer
 
     assert AutoTokenizer.from_pretrained(source.folder).encode(PROMPTS[1]) == prompts[1]
+    # Placement weighs each layer as the stage holds it: its experts, not dense arithmetic.
+    from metal_cluster.coordinator.placement import ModelCost
+
+    from mlx.utils import tree_flatten
+
+    cost = ModelCost.of_model(source.folder, source.config)
+    held = [sum(v.nbytes for _, v in tree_flatten(layer.parameters())) for layer in runner.shard.layers]
+    assert cost.layer_bytes == held
+    assert held[0] > ModelCost.from_config(source.config).layer_bytes[0]  # 8 experts outweigh a dense MLP

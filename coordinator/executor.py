@@ -106,6 +106,7 @@ class ClusterExecutor(Executor):
         self.local_stage = None
         self.addresses = [a for a in os.environ.get(STAGES_ENV, "").split(",") if a] or [LOCAL]
         self.pipeline = Pipeline([self._stage(a) for a in self.addresses])
+        self._refuse_unservable()
         num_layers = self.model_config.hf_config.num_hidden_layers
         planned = os.environ.get(LAYERS_ENV)
         self.ranges = ([tuple(int(x) for x in r.split("-")) for r in planned.split(",")] if planned
@@ -134,6 +135,14 @@ class ClusterExecutor(Executor):
         if isinstance(self.vllm_config.additional_config, dict):
             self.vllm_config.additional_config[CONTROL_KEY] = self.control
         self.monitor = None
+
+    def _refuse_unservable(self) -> None:
+        config = json.loads((Path(self.model_config.model) / "config.json").read_text())
+        gap = family_of(config, self.model_config.model).serving_gap
+        if gap:
+            log.error("cannot serve %s (%s) yet: %s", self.model_name, config.get("model_type"), gap)
+            logging.shutdown()
+            os._exit(3)
 
     @property
     def model_name(self) -> str:

@@ -35,11 +35,18 @@ class PagedAttention(nn.Module):
 
     def __call__(self, x: mx.array, mask=None, cache: LayerContext = None) -> mx.array:
         a = self.inner
+        out = self.attend(a.q_proj(x), a.k_proj(x), a.v_proj(x), cache)
+        return a.o_proj(out.reshape(1, x.shape[1], -1))  # x is [1, total_q, hidden]: one packed row
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: LayerContext) -> mx.array:
+        """The packed batch's projected queries, keys and values -> [total_q, heads, head_dim]:
+        norms, RoPE, K/V into the pool, paged attention over it."""
+        a = self.inner
         batch = cache.batch
-        tokens = x.shape[1]  # x is [1, total_q, hidden]: the whole packed batch as one row
-        q = a.q_proj(x).reshape(tokens, self.n_heads, -1)
-        k = a.k_proj(x).reshape(tokens, self.n_kv_heads, -1)
-        v = a.v_proj(x).reshape(tokens, self.n_kv_heads, -1)
+        tokens = batch.positions.shape[0]
+        q = q.reshape(tokens, self.n_heads, -1)
+        k = k.reshape(tokens, self.n_kv_heads, -1)
+        v = v.reshape(tokens, self.n_kv_heads, -1)
         if hasattr(a, "q_norm"):
             q = a.q_norm(q)
         if hasattr(a, "k_norm"):
@@ -48,8 +55,7 @@ class PagedAttention(nn.Module):
         cache.pool.write(cache.layer_index, cache.slots, k, v)
         k_pool, v_pool = cache.pool.layer(cache.layer_index)
         sinks = a.sinks if self.has_sinks else None
-        out = paged_attention(q, k_pool, v_pool, cache.attn, self.scale, self.sliding_window, sinks=sinks)
-        return a.o_proj(out.reshape(1, tokens, -1))
+        return paged_attention(q, k_pool, v_pool, cache.attn, self.scale, self.sliding_window, sinks=sinks)
 
 
 def _rope(rope, x, positions):

@@ -18,10 +18,15 @@ from metal_cluster.stage_worker.kv_layout import KVLayout
 class KVPool:
     # Stored flat, [num_blocks * block_size, kv_heads, head_dim]: a scatter into an array nothing
     # else references is done in place by MLX; writing through a reshaped view would copy the pool.
+    # A recurrent layer's arrays are its states instead, one row per block id: keys its
+    # convolution window, values its recurrent state.
     keys: list[mx.array]  # per array of the layout
     values: list[mx.array | None]  # None for a shared_kv layer
     block_size: int
     layout: KVLayout
+    num_blocks: int
+    dtype: mx.Dtype
+    is_state: list[bool]  # per array of the layout
 
     @classmethod
     def allocate(cls, caches, num_blocks: int, block_size: int, dtype: mx.Dtype, layout: KVLayout | None = None):
@@ -29,19 +34,18 @@ class KVPool:
         stage's layers in order); K only for a shared_kv layer."""
         layout = layout or KVLayout.one_group(len(caches))
         kinds = array_kinds(caches, layout)
-        shapes = [(num_blocks * block_size, c.kv_heads, c.head_dim) for c in kinds]
-        keys = [mx.zeros(shape, dtype=dtype) for shape in shapes]
-        values = [None if c.shared_kv else mx.zeros(shape, dtype=dtype) for c, shape in zip(kinds, shapes)]
+        keys, values = [], []
+        for c in kinds:
+            if c.state_shapes:
+                conv, recurrent = c.state_shapes
+                keys.append(mx.zeros((num_blocks, *conv), dtype=dtype))
+                values.append(mx.zeros((num_blocks, *recurrent), dtype=mx.float32))
+                continue
+            shape = (num_blocks * block_size, c.kv_heads, c.head_dim)
+            keys.append(mx.zeros(shape, dtype=dtype))
+            values.append(None if c.shared_kv else mx.zeros(shape, dtype=dtype))
         mx.eval(keys, [v for v in values if v is not None])
-        return cls(keys, values, block_size, layout)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.keys[0].shape[0] // self.block_size if self.keys else 0
-
-    @property
-    def dtype(self) -> mx.Dtype:
-        return self.keys[0].dtype if self.keys else mx.float32
+        return cls(keys, values, block_size, layout, num_blocks, dtype, [bool(c.state_shapes) for c in kinds])
 
     @property
     def arrays(self) -> list[mx.array]:
@@ -51,6 +55,16 @@ class KVPool:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays)
+
+    def state(self, i: int) -> tuple[mx.array, mx.array]:
+        """Recurrent layer i's states, [num_blocks, ...] each: convolution window, recurrent state."""
+        a = self.layout.arrays[i]
+        return self.keys[a], self.values[a]
+
+    def write_state(self, i: int, rows: mx.array, conv: mx.array, recurrent: mx.array) -> None:
+        a = self.layout.arrays[i]
+        self.keys[a][rows] = conv.astype(self.keys[a].dtype)
+        self.values[a][rows] = recurrent.astype(self.values[a].dtype)
 
     def layer(self, i: int) -> tuple[mx.array, mx.array | None]:
         """Layer i's K and V as [num_blocks, block_size, kv_heads, head_dim] views (V None: shared_kv)."""
@@ -72,11 +86,17 @@ class KVPool:
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
+        rows_src, rows_dst = mx.array([s for s, _ in pairs]), mx.array([d for _, d in pairs])
         offsets = mx.arange(self.block_size)
-        src = (mx.array([s for s, _ in pairs])[:, None] * self.block_size + offsets).reshape(-1)
-        dst = (mx.array([d for _, d in pairs])[:, None] * self.block_size + offsets).reshape(-1)
-        for pool in self.arrays:
-            pool[dst] = pool[src]
+        src = (rows_src[:, None] * self.block_size + offsets).reshape(-1)
+        dst = (rows_dst[:, None] * self.block_size + offsets).reshape(-1)
+        for a, is_state in enumerate(self.is_state):
+            for pool in (self.keys[a], self.values[a]):
+                if pool is not None:
+                    if is_state:
+                        pool[rows_dst] = pool[rows_src]
+                    else:
+                        pool[dst] = pool[src]
 
 
 def array_kinds(caches, layout: KVLayout) -> list:
@@ -98,7 +118,7 @@ def bytes_per_block(caches, block_size: int, dtype: mx.Dtype, layout: KVLayout |
     """Memory one block id costs on a stage holding the layers of `caches` (K and V, or the one
     latent array of a shared_kv layer), laid out as `layout` says (default: an array per layer)."""
     kinds = array_kinds(caches, layout) if layout else caches
-    return sum(block_size * c.values_per_token * dtype.size for c in kinds)
+    return sum(c.block_bytes(block_size, dtype.size) for c in kinds)
 
 
 def request_bytes(caches, num_tokens: int, block_size: int, dtype: mx.Dtype) -> int:
@@ -107,6 +127,11 @@ def request_bytes(caches, num_tokens: int, block_size: int, dtype: mx.Dtype) -> 
     blocks = -(-num_tokens // block_size)
     total = 0
     for c in caches:
-        held = blocks if c.sliding_window is None else min(blocks, -(-(c.sliding_window - 1) // block_size) + 1)
-        total += (held + 1) * block_size * c.values_per_token * dtype.size
+        if c.state_shapes:
+            held = 1  # one state, whatever the length
+        elif c.sliding_window:
+            held = min(blocks, -(-(c.sliding_window - 1) // block_size) + 1)
+        else:
+            held = blocks
+        total += (held + 1) * c.block_bytes(block_size, dtype.size)
     return total

@@ -68,7 +68,7 @@ def load_shard(source: ModelSource, start: int = 0, end: int | None = None,
     mx.eval(model.parameters())
     caches = family.layer_caches(config)[start:end]
     for layer, cache in zip(family.inner(model).layers, caches):
-        layer.self_attn = family.paged_attention(layer.self_attn, cache)
+        family.wrap_layer(layer, cache)
     return ModelShard(model=model, config=config, start=start, end=end, num_layers=num_layers, family=family,
                       caches=caches, dtype=dtype)
 

@@ -61,13 +61,11 @@ def test_vllm_kv_spec_is_mla(tiny_deepseek):
     import torch
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    from metal_cluster.coordinator.executor import ClusterExecutor
+    from metal_cluster.coordinator.executor import kv_cache_specs
 
-    executor = ClusterExecutor.__new__(ClusterExecutor)  # only its spec builder: no engine, no stages
-    executor.cache_config = type("CacheConfig", (), {"block_size": 16, "cache_dtype": "auto"})()
     config = json.loads((tiny_deepseek / "config.json").read_text())
     cache = family_of(config, "x").layer_caches(config)[0]
-    spec = executor._layer_spec(cache, torch.bfloat16)
+    spec = kv_cache_specs([cache], [(0, 1)], [torch.bfloat16], 16, "auto")[0]["model.layers.0.self_attn.attn"]
     assert isinstance(spec, MLAAttentionSpec)
     assert spec.page_size_bytes == 16 * (KV_LORA_RANK + ROPE_DIM) * 2 == bytes_per_block([cache], 16, mx.bfloat16)
 

@@ -31,6 +31,8 @@ from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normaliz
 FAMILIES = ("llama", "qwen2", "qwen3")
 # Held to the same checks by their own suite (tests/test_families.py), not by every FAMILIES test.
 MORE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "gemma3_text", "deepseek_v3")
+# Gated DeltaNet layers with a state per request (tests/test_hybrid.py).
+HYBRID_FAMILIES = ("qwen3_next",)
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Not special (as in Qwen2.5): they must survive skip_special_tokens, because vLLM's hermes
@@ -50,15 +52,16 @@ QWEN_PRETOKENIZE_REGEX = (
 
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-         "gpt_oss": "GptOssForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+         "gpt_oss": "GptOssForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+         "qwen3_next": "Qwen3NextForCausalLM"}
 # Llama is untied, the Qwens tied, so both lm_head paths are exercised by default.
 _TIED = {"llama": False, "qwen2": True, "qwen3": True, "qwen3_moe": False, "mixtral": False, "glm4_moe": True,
-         "gpt_oss": False, "gemma3_text": True, "deepseek_v3": False}
+         "gpt_oss": False, "gemma3_text": True, "deepseek_v3": False, "qwen3_next": False}
 # Checkpoint dtypes: config.json's torch_dtype name -> the MLX dtype the safetensors hold.
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 _ROPE_THETA = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0, "qwen3_moe": 1000000.0,
                "mixtral": 1000000.0, "glm4_moe": 1000000.0, "gpt_oss": 150000.0, "gemma3_text": 1000000.0,
-               "deepseek_v3": 10000.0}
+               "deepseek_v3": 10000.0, "qwen3_next": 1000000.0}
 # A window a few tokens long, so the tests' prompts reach past it.
 TINY_WINDOW = 8
 
@@ -90,6 +93,14 @@ def _family_config(family: str, num_layers: int, sliding_window: int | None) -> 
                     final_logit_softcapping=None, attn_logit_softcapping=None,
                     layer_types=["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
                                  for i in range(num_layers)])
+    if family == "qwen3_next":
+        # Gated DeltaNet layers with one gated full-attention layer in three (2 and 5 of six);
+        # layer 0 dense, the rest MoE with a shared expert.
+        return dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=3,
+                    num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0],
+                    moe_intermediate_size=32, shared_expert_intermediate_size=32, norm_topk_prob=True,
+                    partial_rotary_factor=0.5, attention_bias=False)
     if family == "deepseek_v3":
         # MLA with a low-rank query (q_lora_rank, as V3 and Kimi K2 have) and V3's YaRN scaling
         # (mscale_all_dim changes the softmax scale); transformers sets head_dim to the rope part.
@@ -101,6 +112,10 @@ def _family_config(family: str, num_layers: int, sliding_window: int | None) -> 
                     rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512,
                                   "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
     return {}
+
+
+_QWEN3_NEXT_OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+                            ".q_norm.weight", ".k_norm.weight")
 
 
 def _hf_expert_names(family: str, weights: dict) -> dict:
@@ -117,7 +132,14 @@ def _hf_expert_names(family: str, weights: dict) -> dict:
             continue
         if family == "deepseek_v3" and name.endswith(".unembed_out.weight"):
             continue
-        if ".switch_mlp." not in name or family not in ("qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3"):
+        if family == "qwen3_next" and name.endswith("conv1d.weight"):
+            out[name] = w.swapaxes(1, 2)  # Hugging Face's Conv1d layout [channels, 1, kernel]
+            continue
+        if family == "qwen3_next" and name.endswith(_QWEN3_NEXT_OFFSET_NORMS):
+            out[name] = w - 1.0  # stored as offsets from one; mlx-lm's sanitize adds the one back
+            continue
+        if ".switch_mlp." not in name or family not in ("qwen3_moe", "glm4_moe", "mixtral", "deepseek_v3",
+                                                         "qwen3_next"):
             out[name] = w
             continue
         prefix, proj_param = name.split(".switch_mlp.")
@@ -279,7 +301,7 @@ def _hf_config(family, *, num_layers, hidden_size, intermediate_size, num_heads,
         "initializer_range": 0.02,
         "use_cache": True,
     }
-    if family in MORE_FAMILIES:
+    if family in MORE_FAMILIES + HYBRID_FAMILIES:
         pass
     elif family == "llama":
         cfg.update(attention_bias=False, mlp_bias=False)
@@ -335,8 +357,8 @@ def build_tiny_model(family: str, out_dir: Path, *, num_layers: int = 4, hidden_
     `dtype` is the checkpoint's dtype name (a key of DTYPES): the float32 draws rounded to it.
     `config_overrides` replace config.json keys (e.g. which layers are dense).
     """
-    if family not in FAMILIES + MORE_FAMILIES:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + MORE_FAMILIES}")
+    if family not in FAMILIES + MORE_FAMILIES + HYBRID_FAMILIES:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + MORE_FAMILIES + HYBRID_FAMILIES}")
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; expected one of {tuple(DTYPES)}")
     if head_dim is None:

@@ -6,6 +6,7 @@ paged pool (`LayerCache`, by global layer index), how its attention module meets
 defaults are those of mlx-lm's llama-style models; a family module overrides only what differs.
 """
 
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -24,11 +25,24 @@ class LayerCache:
     # One array, no separate V: an MLA layer keeps its compressed latent (plus the roped key part)
     # per token, and attention reads V out of the same entries.
     shared_kv: bool = False
+    # A recurrent layer (Gated DeltaNet) keeps no K/V but a fixed-size state per request, in one
+    # block of its own: the shapes of its convolution window and of its recurrent state.
+    state_shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def values_per_token(self) -> int:
         """Values one token costs this layer's pool (K and V, or the one shared entry)."""
+        if self.state_shapes:
+            return 0
         return (1 if self.shared_kv else 2) * self.kv_heads * self.head_dim
+
+    def block_bytes(self, block_size: int, itemsize: int) -> int:
+        """What one block id costs this layer: block_size tokens of K/V, or one request's state
+        (the recurrent state in float32, as mlx-lm keeps it)."""
+        if self.state_shapes:
+            conv, recurrent = self.state_shapes
+            return math.prod(conv) * itemsize + math.prod(recurrent) * 4
+        return block_size * self.values_per_token * itemsize
 
 
 class Family:
@@ -36,6 +50,8 @@ class Family:
     architectures: tuple[str, ...] = ()  # the names config.json gives them (vLLM resolves these)
     # Whether `layer_types` / `sliding_window` in config.json apply (mlx-lm's qwen2/qwen3 ignore them).
     reads_sliding_window = True
+    # What keeps `serve` and `up` from serving the family yet, when its stages already run it.
+    serving_gap: str | None = None
 
     # --- the paged pool ----------------------------------------------------------------------------
     def layer_caches(self, config: dict) -> list[LayerCache]:
@@ -57,6 +73,10 @@ class Family:
 
     def paged_attention(self, attn: nn.Module, cache: LayerCache) -> PagedAttention:
         return PagedAttention(attn, attn.n_heads, attn.n_kv_heads, attn.scale, cache.sliding_window)
+
+    def wrap_layer(self, layer: nn.Module, cache: LayerCache) -> None:
+        """Point one decoder layer's attention at the paged pool."""
+        layer.self_attn = self.paged_attention(layer.self_attn, cache)
 
     # --- the model's ends ----------------------------------------------------------------------------
     @staticmethod

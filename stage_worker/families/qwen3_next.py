@@ -1,0 +1,90 @@
+"""Qwen3-Next: Gated DeltaNet layers (a linear-attention recurrence with a fixed-size state per
+request) with a gated full-attention layer every `full_attention_interval`; MoE MLPs with a shared
+expert (mlx-lm's blocks as they are).
+
+A recurrent layer's state lives in the pool by block id, one row per id (`paged_kv.KVPool.state`):
+the request's first block of its KV cache group's table holds it (vLLM's "none" mamba mode: no
+prefix caching, a request's state is recomputed after preemption). The recurrence itself is
+mlx-lm's module, called per prefill request, and once for all decodes of a step with their states
+gathered into one batch.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import ArraysCache
+
+from metal_cluster.stage_worker.attention import PagedAttention
+from metal_cluster.stage_worker.families.base import Family, LayerCache
+
+
+class Qwen3Next(Family):
+    model_types = ("qwen3_next",)
+    architectures = ("Qwen3NextForCausalLM",)
+    reads_sliding_window = False
+    serving_gap = ("its Gated DeltaNet states are not yet given to vLLM's hybrid (Mamba) KV cache manager; "
+                   "the stages run it (`metal-cluster generate` serves one prompt)")
+
+    def layer_caches(self, config: dict) -> list[LayerCache]:
+        kv_heads, head_dim = self.kv_geometry(config)
+        key_dim = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+        value_heads, value_dim = config["linear_num_value_heads"], config["linear_value_head_dim"]
+        conv = (config["linear_conv_kernel_dim"] - 1, 2 * key_dim + value_heads * value_dim)
+        recurrent = (value_heads, value_dim, config["linear_key_head_dim"])
+        return [LayerCache(0, 0, state_shapes=(conv, recurrent)) if is_recurrent(config, i)
+                else LayerCache(kv_heads, head_dim) for i in range(config["num_hidden_layers"])]
+
+    def wrap_layer(self, layer: nn.Module, cache: LayerCache) -> None:
+        if cache.state_shapes:
+            layer.linear_attn = PagedGatedDeltaNet(layer.linear_attn)
+        else:
+            a = layer.self_attn
+            layer.self_attn = GatedPagedAttention(a, a.num_attention_heads, a.num_key_value_heads, a.scale)
+
+
+def is_recurrent(config: dict, layer: int) -> bool:
+    return (layer + 1) % config.get("full_attention_interval", 4) != 0
+
+
+class GatedPagedAttention(PagedAttention):
+    """Qwen3-Next's attention: q_proj yields the queries and a gate; the output is gated by it."""
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        a = self.inner
+        tokens = x.shape[1]
+        queries, gate = mx.split(a.q_proj(x).reshape(tokens, self.n_heads, -1), 2, axis=-1)
+        out = self.attend(queries, a.k_proj(x), a.v_proj(x), cache)
+        return a.o_proj(out.reshape(1, tokens, -1) * mx.sigmoid(gate.reshape(1, tokens, -1)))
+
+
+class PagedGatedDeltaNet(nn.Module):
+    """mlx-lm's Qwen3NextGatedDeltaNet with its conv and recurrent states in the pool."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        attn = cache.attn
+        rows = attn.block_tables[:, 0]  # each request's state row
+        starts = [s - n for s, n in zip(attn.seq_lens_host, attn.query_lens_host)]
+        conv, recurrent = cache.pool.state(cache.layer_index)
+        outputs, begin = [], 0
+        decodes = [r for r, n in enumerate(attn.query_lens_host) if n == 1]
+        if len(decodes) == len(starts):  # a decode-only step: one call over all requests
+            return self._run(x[0][:, None], rows, [s > 0 for s in starts], conv, recurrent, cache)[:, 0][None]
+        for r, n in enumerate(attn.query_lens_host):
+            outputs.append(self._run(x[:, begin : begin + n], rows[r : r + 1], [starts[r] > 0], conv, recurrent,
+                                     cache))
+            begin += n
+        return mx.concatenate(outputs, axis=1)
+
+    def _run(self, x, rows, resumes, conv, recurrent, cache) -> mx.array:
+        """x: [B, S, hidden] for B requests whose states are at `rows`; a request starting at
+        position 0 starts from zero states, whatever its row held before."""
+        keep = mx.array(resumes)
+        state = ArraysCache(size=2)
+        state[0] = mx.where(keep[:, None, None], conv[rows], 0).astype(x.dtype)
+        state[1] = mx.where(keep[:, None, None, None], recurrent[rows], 0)
+        out = self.inner(x, None, state)
+        cache.pool.write_state(cache.layer_index, rows, state[0], state[1])
+        return out

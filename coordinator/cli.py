@@ -26,6 +26,9 @@ def main(
     """Commands that run models preload OpenBLAS themselves (see blas.py); the others stay quiet."""
     import os
 
+    from metal_cluster.coordinator import start_times
+
+    start_times.mark_started()
     from metal_cluster.coordinator import config
     from metal_cluster.stage_worker.auth import TOKEN_FILE_ENV
 
@@ -83,6 +86,7 @@ def serve(
     blas.use_openblas_if_present()
     model, extra = _split_model_arg(model, ctx)
     source = _resolve(model)
+    extra = _backend_defaults(extra)
     workers = pipeline_parallel_size if pipeline_parallel_size > 1 else 0
     _set_stage_timeout(stage_timeout)
     _set_admission(max_request_body_bytes, max_waiting_requests)
@@ -160,6 +164,31 @@ def up(
     finally:
         if store:
             store.stop()
+
+
+# On MLX's CPU backend a step's cost grows with every sequence in it, and the KV pool (sized by
+# --max-num-seqs x --max-model-len, committed at start) costs start time: vLLM's 256 sequences of
+# 8192 tokens would take the whole memory share (11 GiB for SmolLM2-135M) and a minute to commit.
+CPU_MAX_NUM_SEQS = 8
+
+
+def _backend_defaults(extra: list[str]) -> list[str]:
+    from metal_cluster.coordinator.serve import has_flag
+
+    if _mlx_on_cpu() and not has_flag(extra, "--max-num-seqs"):
+        return ["--max-num-seqs", str(CPU_MAX_NUM_SEQS), *extra]
+    return extra
+
+
+def _mlx_on_cpu() -> bool:
+    """Whether this host's MLX runs on the CPU, without importing MLX: vLLM forks its engine from
+    this process, and a Metal or CUDA context must not be set up before a fork."""
+    import importlib.metadata
+
+    if sys.platform == "darwin":
+        return False  # the plain mlx wheel carries Metal
+    names = {(d.metadata["Name"] or "").lower() for d in importlib.metadata.distributions()}
+    return not any(n.startswith("mlx-cuda") or n.startswith("mlx_cuda") for n in names)
 
 
 def _set_stage_timeout(seconds: float) -> None:

@@ -202,7 +202,8 @@ class Pipeline:
         ]
         return list(self.pool.map(lambda sr: sr[0].assign(sr[1]), zip(self.stages, reqs)))
 
-    def start(self, num_blocks: int, ring_hosts: list[str], ring_timeout_s: float = 60, wire: str = "") -> None:
+    def start(self, num_blocks: int, ring_hosts: list[str], ring_timeout_s: float = 60,
+              wire: str = "") -> list[pb.StartResponse]:
         hostfile = json.dumps([[h] for h in ring_hosts])
         reqs = [
             pb.StartRequest(version=PROTO_VERSION, num_blocks=num_blocks, rank=k, world_size=len(self.stages),
@@ -210,7 +211,7 @@ class Pipeline:
             for k in range(len(self.stages))
         ]
         # Every rank must be joining at once: the ring connects only when all are there.
-        list(self.pool.map(lambda sr: sr[0].start(sr[1]), zip(self.stages, reqs)))
+        return list(self.pool.map(lambda sr: sr[0].start(sr[1]), zip(self.stages, reqs)))
 
     def submit(self, step: pb.StepRequest) -> Future:
         """Every stage gets every step; the answer is the last stage's. The first error answers at

@@ -151,7 +151,7 @@ class AssignRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., memory_utilization: _Optional[float] = ..., model_store: _Optional[str] = ..., manifest_sha256: _Optional[str] = ...) -> None: ...
 
 class AssignResponse(_message.Message):
-    __slots__ = ("weights_bytes", "activation_bytes", "bytes_per_block", "kv_budget_bytes", "num_layers", "host_memory_bytes", "dtype")
+    __slots__ = ("weights_bytes", "activation_bytes", "bytes_per_block", "kv_budget_bytes", "num_layers", "host_memory_bytes", "dtype", "load_seconds", "warm_up_seconds")
     WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,8 @@ class AssignResponse(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     HOST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WARM_UP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     weights_bytes: int
     activation_bytes: int
     bytes_per_block: int
@@ -166,7 +168,9 @@ class AssignResponse(_message.Message):
     num_layers: int
     host_memory_bytes: int
     dtype: str
-    def __init__(self, weights_bytes: _Optional[int] = ..., activation_bytes: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    load_seconds: float
+    warm_up_seconds: float
+    def __init__(self, weights_bytes: _Optional[int] = ..., activation_bytes: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., load_seconds: _Optional[float] = ..., warm_up_seconds: _Optional[float] = ...) -> None: ...
 
 class StartRequest(_message.Message):
     __slots__ = ("version", "num_blocks", "rank", "world_size", "ring_hostfile", "ring_timeout_s", "wire_dtype")
@@ -187,8 +191,10 @@ class StartRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., num_blocks: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., ring_hostfile: _Optional[str] = ..., ring_timeout_s: _Optional[float] = ..., wire_dtype: _Optional[str] = ...) -> None: ...
 
 class StartResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("kv_allocate_seconds",)
+    KV_ALLOCATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    kv_allocate_seconds: float
+    def __init__(self, kv_allocate_seconds: _Optional[float] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ("version", "heartbeat")

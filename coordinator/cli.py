@@ -415,6 +415,31 @@ def token():
 
 
 @app.command()
+def doctor(
+    ctx: typer.Context,
+    interface: str = typer.Option(None, "--interface", help="Interface name or IPv4 address to check (as `up` and "
+                                                            "`worker` would use it). Default: loopback."),
+    host: str = typer.Option("127.0.0.1", help="Address the ports are checked on."),
+    port: int = typer.Option(8000, help="The OpenAI API's port (serve, up)."),
+    worker_port: int = typer.Option(7760, help="A worker's gRPC port; its ring port is the next one."),
+    mdns: bool = typer.Option(True, help="Check that an mDNS announcement on the interface is seen there."),
+):
+    """Check what this host needs (Python, MLX, OpenBLAS, token file, config, ports, interface, mDNS):
+    one line per check, with the fix when it fails; exits 1 when one fails."""
+    from metal_cluster.coordinator import doctor as checks
+
+    ports = [("API", port, "--port"), ("worker gRPC", worker_port, "worker --port"),
+             ("worker ring", worker_port + 1, "worker --ring-port")]
+    results = checks.run(ctx.find_root().params.get("config_file"), host, ports, interface, mdns)
+    for check in results:
+        typer.echo(check.line())
+    failed = [c for c in results if not c.ok]
+    typer.echo(f"{len(results) - len(failed)} of {len(results)} checks passed")
+    if failed:
+        raise typer.Exit(1)
+
+
+@app.command()
 def generate(
     model: str = typer.Argument(None, help="Model folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct."),
     prompt: str = typer.Option("The capital of France is", "--prompt", "-p"),

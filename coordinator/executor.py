@@ -182,8 +182,9 @@ class ClusterExecutor(Executor):
         self.num_blocks = min(c.num_blocks for c in kv_cache_configs)
         block_size = self.cache_config.block_size
         wire = wire_dtype([r.dtype for r in self.assigned])
-        started = self.pipeline.start(self.num_blocks, replan.ring_hosts(self.pipeline.stages, self.healths),
-                                      RING_TIMEOUT_S, wire)
+        with load_progress.reported(self.pipeline.stages, lambda line: log.info("%s", line)):
+            started = self.pipeline.start(self.num_blocks, replan.ring_hosts(self.pipeline.stages, self.healths),
+                                          RING_TIMEOUT_S, wire)
         kv = ", ".join(sorted({f"{r.dtype}: {r.bytes_per_block / block_size / 1024:.1f} KiB per token"
                                for r in self.assigned}))
         log.info("KV cache: %d blocks x %d tokens = %d tokens on every stage (%s)%s", self.num_blocks, block_size,

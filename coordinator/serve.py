@@ -13,6 +13,7 @@ import urllib.request
 from metal_cluster.coordinator import start_times
 from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV
 from metal_cluster.coordinator.executor_env import LAYERS_ENV, STAGES_ENV
+from metal_cluster.coordinator.http_routes import API_KEYS_ENV
 from metal_cluster.coordinator.vllm_platform import ACTIVATE_ENV
 from metal_cluster.stage_worker.model_source import ModelSource
 
@@ -68,6 +69,8 @@ def run(argv: list[str], stage_addresses: list[str] | None = None, run_dir=None,
     args = parser.parse_args(argv)
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
+    if args.api_key:  # the dashboard route asks for the same key as the API
+        os.environ[API_KEYS_ENV] = "\n".join(args.api_key if isinstance(args.api_key, list) else [args.api_key])
     _announce_when_ready(args)
     uvloop.run(run_server(args))
 
@@ -93,7 +96,8 @@ def _announce_when_ready(args) -> None:
         kv = f"KV {blocks} blocks x {block_size} = {blocks * block_size} tokens" if blocks else "KV size unknown"
         took = start_times.since_start()
         after = f" after {took:.1f} s" if took is not None else ""
-        print(f"metal-cluster: ready{after}: model {names}; {kv}; OpenAI API at {url}/v1", flush=True)
+        print(f"metal-cluster: ready{after}: model {names}; {kv}; OpenAI API at {url}/v1; dashboard at {url}/dashboard",
+              flush=True)
 
     threading.Thread(target=wait, name="ready-announcer", daemon=True).start()
 

@@ -44,6 +44,7 @@ class StageHost:
         self.cache_limit = cache_limit  # bytes of fetched weights this host keeps (0: no limit)
         self.ring_port = ring_port
         self.state = "idle"
+        self.phase = ""  # what assign/start is doing now, for progress (Health)
         self.shard = None
         self.runner: StageRunner | None = None
         self.ring: Ring | None = None
@@ -73,12 +74,17 @@ class StageHost:
                     "a new plan needs a new stage process"
                 )
             began = time.perf_counter()
-            self.shard = self._load(req)
-            loaded = time.perf_counter()
-            self.block_size = req.block_size
-            weights = sum(v.nbytes for v in _params(self.shard.model))
-            activation = self._activation_peak(req.max_num_batched_tokens)
-            warmed = time.perf_counter()
+            self.phase = "fetching weights" if req.model_store else "loading weights"
+            try:
+                self.shard = self._load(req)
+                loaded = time.perf_counter()
+                self.block_size = req.block_size
+                weights = sum(v.nbytes for v in _params(self.shard.model))
+                self.phase = f"warming up ({min(req.max_num_batched_tokens, WARM_UP_TOKENS)}-token prefill)"
+                activation = self._activation_peak(req.max_num_batched_tokens)
+                warmed = time.perf_counter()
+            finally:
+                self.phase = ""
             budget = memory.kv_budget(req.memory_utilization or 0.5, weights, activation)
             self.state = "loaded"
             self.touch()
@@ -106,12 +112,17 @@ class StageHost:
         with self.lock:
             if self.state != "loaded":
                 raise StageStateError(f"start needs an assigned stage; this one is {self.state}")
-            if req.world_size > 1:
-                wire = from_name(req.wire_dtype) if req.wire_dtype else self.dtype
-                self.ring = Ring.join(req.rank, req.world_size, req.ring_hostfile, req.ring_timeout_s or 60, wire)
-            began = time.perf_counter()
-            self.runner = StageRunner(self.shard, self._allocate(req.num_blocks))
-            allocated = time.perf_counter() - began
+            try:
+                if req.world_size > 1:
+                    self.phase = "joining the ring"
+                    wire = from_name(req.wire_dtype) if req.wire_dtype else self.dtype
+                    self.ring = Ring.join(req.rank, req.world_size, req.ring_hostfile, req.ring_timeout_s or 60, wire)
+                self.phase = f"allocating the KV pool ({req.num_blocks * self.bytes_per_block / 2**30:.2f} GiB)"
+                began = time.perf_counter()
+                self.runner = StageRunner(self.shard, self._allocate(req.num_blocks))
+                allocated = time.perf_counter() - began
+            finally:
+                self.phase = ""
             self.state = "serving"
             self.touch()
         return pb.StartResponse(kv_allocate_seconds=allocated)
@@ -142,6 +153,7 @@ class StageHost:
             fetch_bytes_total=self.fetch.total,
             fetch_bytes_done=self.fetch.done,
             fetch_bytes_received=self.fetch.received,
+            phase=self.phase,
         )
 
     # --- data ------------------------------------------------------------------------------------

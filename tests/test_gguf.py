@@ -296,7 +296,7 @@ def test_default_model_folder_carries_its_sampling_defaults(tmp_path, monkeypatc
     monkeypatch.setenv("METAL_CLUSTER_CACHE", str(tmp_path))
     generation = json.loads((resolve_model(None).folder / "generation_config.json").read_text())
     assert generation == {"bos_token_id": 1, "eos_token_id": 2, **DEFAULT_MODEL_SAMPLING, "do_sample": True}
-    assert DEFAULT_MODEL_SAMPLING == {"temperature": 0.2, "top_p": 0.9}
+    assert DEFAULT_MODEL_SAMPLING == {"temperature": 0.2, "top_p": 0.5}
 
 
 def test_a_gguf_files_own_sampling_keys_become_generation_defaults(smollm):

@@ -70,7 +70,7 @@ def test_status_during_traffic_then_down(llama_model, own_cache):
             assert [n["state"] for n in view["nodes"]] == ["serving", "serving"]
             assert view["requests"]["waiting"] == 0
             assert f"dashboard: {url}/dashboard" in cli("status").stdout
-            check_dashboard(url, own_cache)
+            check_dashboard(url, own_cache, client)
             for f in futures:
                 f.result(timeout=300)
         with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
@@ -85,7 +85,7 @@ def test_status_during_traffic_then_down(llama_model, own_cache):
         assert cli("status").returncode != 0
 
 
-def check_dashboard(url, out_dir):
+def check_dashboard(url, out_dir, client):
     """The page in headless Chromium while requests run: two stages with their layer ranges, a
     tokens/s figure that moves; a screenshot beside the server log. Without the API key: 401."""
     with pytest.raises(urllib.error.HTTPError) as refused:
@@ -97,20 +97,38 @@ def check_dashboard(url, out_dir):
     if chromium is None:
         assert not os.environ.get("METAL_CLUSTER_TEST_INSTALL"), "CI installs chromium (.ci/run)"
         pytest.skip("no chromium here (apt-get install --no-install-recommends chromium)")
+    import threading
+
     from headless import browser
 
-    with browser(f"{url}/dashboard?key={API_KEY}", out_dir / "chromium-profile") as page:
-        deadline = time.monotonic() + 60
-        while (page.evaluate("Number(document.body.dataset.polls || 0)") or 0) < 6:  # one poll a second
-            assert time.monotonic() < deadline, page.evaluate("document.body.innerText")
-            time.sleep(0.5)
-        stages = page.evaluate("[...document.querySelectorAll('#stages g.stage')].map(g => "
-                               "[g.dataset.start, g.dataset.end, g.querySelector('text.layers').textContent])")
-        assert stages == [["0", "2", "stage 0: layers 0–2"], ["2", "4", "stage 1: layers 2–4"]], stages
-        history = [float(v) for v in page.evaluate("document.getElementById('toks').dataset.history").split()]
-        assert len(set(history[1:])) >= 2 and max(history) > 0, history  # it moves while requests run
-        shot = out_dir / "dashboard.png"
-        page.screenshot(shot)
+    stop = threading.Event()
+
+    def traffic():  # requests keep running for as long as the page is watched
+        while not stop.is_set():
+            client.completions.create(model="m", prompt="more", max_tokens=48, temperature=0,
+                                      extra_body={"ignore_eos": True})
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool, \
+            browser(f"{url}/dashboard?key={API_KEY}", out_dir / "chromium-profile") as page:
+        load = [pool.submit(traffic) for _ in range(2)]
+        try:
+            deadline = time.monotonic() + 90
+            while True:  # one poll a second; tok/s is the change between two polls
+                history = [float(v) for v in (page.evaluate(
+                    "document.getElementById('toks')?.dataset.history || ''") or "").split()]
+                if len(history) >= 4 and len(set(history[1:])) >= 2 and max(history) > 0:
+                    break  # it moves while requests run
+                assert time.monotonic() < deadline, (history, page.evaluate("document.body.innerText"))
+                time.sleep(0.5)
+            stages = page.evaluate("[...document.querySelectorAll('#stages g.stage')].map(g => "
+                                   "[g.dataset.start, g.dataset.end, g.querySelector('text.layers').textContent])")
+            assert stages == [["0", "2", "stage 0: layers 0–2"], ["2", "4", "stage 1: layers 2–4"]], stages
+            shot = out_dir / "dashboard.png"
+            page.screenshot(shot)
+        finally:
+            stop.set()
+        for f in load:
+            f.result(timeout=120)
     assert shot.stat().st_size > 10_000
     print(f"dashboard screenshot: {shot}")
 

@@ -26,6 +26,9 @@ def main(
     """Commands that run models preload OpenBLAS themselves (see blas.py); the others stay quiet."""
     import os
 
+    from metal_cluster.coordinator import start_times
+
+    start_times.mark_started()
     from metal_cluster.coordinator import config
     from metal_cluster.stage_worker.auth import TOKEN_FILE_ENV
 
@@ -83,6 +86,7 @@ def serve(
     blas.use_openblas_if_present()
     model, extra = _split_model_arg(model, ctx)
     source = _resolve(model)
+    extra = _backend_defaults(extra)
     workers = pipeline_parallel_size if pipeline_parallel_size > 1 else 0
     _set_stage_timeout(stage_timeout)
     _set_admission(max_request_body_bytes, max_waiting_requests)
@@ -160,6 +164,31 @@ def up(
     finally:
         if store:
             store.stop()
+
+
+# On MLX's CPU backend a step's cost grows with every sequence in it, and the KV pool (sized by
+# --max-num-seqs x --max-model-len, committed at start) costs start time: vLLM's 256 sequences of
+# 8192 tokens would take the whole memory share (11 GiB for SmolLM2-135M) and a minute to commit.
+CPU_MAX_NUM_SEQS = 8
+
+
+def _backend_defaults(extra: list[str]) -> list[str]:
+    from metal_cluster.coordinator.serve import has_flag
+
+    if _mlx_on_cpu() and not has_flag(extra, "--max-num-seqs"):
+        return ["--max-num-seqs", str(CPU_MAX_NUM_SEQS), *extra]
+    return extra
+
+
+def _mlx_on_cpu() -> bool:
+    """Whether this host's MLX runs on the CPU, without importing MLX: vLLM forks its engine from
+    this process, and a Metal or CUDA context must not be set up before a fork."""
+    import importlib.metadata
+
+    if sys.platform == "darwin":
+        return False  # the plain mlx wheel carries Metal
+    names = {(d.metadata["Name"] or "").lower() for d in importlib.metadata.distributions()}
+    return not any(n.startswith("mlx-cuda") or n.startswith("mlx_cuda") for n in names)
 
 
 def _set_stage_timeout(seconds: float) -> None:
@@ -383,6 +412,31 @@ def token():
 
     path, secret = create_token_file()
     typer.echo(f"{path}\n{secret}")
+
+
+@app.command()
+def doctor(
+    ctx: typer.Context,
+    interface: str = typer.Option(None, "--interface", help="Interface name or IPv4 address to check (as `up` and "
+                                                            "`worker` would use it). Default: loopback."),
+    host: str = typer.Option("127.0.0.1", help="Address the ports are checked on."),
+    port: int = typer.Option(8000, help="The OpenAI API's port (serve, up)."),
+    worker_port: int = typer.Option(7760, help="A worker's gRPC port; its ring port is the next one."),
+    mdns: bool = typer.Option(True, help="Check that an mDNS announcement on the interface is seen there."),
+):
+    """Check what this host needs (Python, MLX, OpenBLAS, token file, config, ports, interface, mDNS):
+    one line per check, with the fix when it fails; exits 1 when one fails."""
+    from metal_cluster.coordinator import doctor as checks
+
+    ports = [("API", port, "--port"), ("worker gRPC", worker_port, "worker --port"),
+             ("worker ring", worker_port + 1, "worker --ring-port")]
+    results = checks.run(ctx.find_root().params.get("config_file"), host, ports, interface, mdns)
+    for check in results:
+        typer.echo(check.line())
+    failed = [c for c in results if not c.ok]
+    typer.echo(f"{len(results) - len(failed)} of {len(results)} checks passed")
+    if failed:
+        raise typer.Exit(1)
 
 
 @app.command()

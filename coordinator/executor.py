@@ -23,7 +23,7 @@ from vllm.outputs import RequestError
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
-from metal_cluster.coordinator import load_progress, replan
+from metal_cluster.coordinator import load_progress, replan, start_times
 from metal_cluster.coordinator.cluster_control import CONTROL_KEY, ClusterControl
 from metal_cluster.coordinator.cluster_scheduler import loss_output
 from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV
@@ -178,6 +178,13 @@ class ClusterExecutor(Executor):
     def set_kv_cache_layout(self, layout_name, cp_kv_cache_interleave_size) -> None:
         pass
 
+    def usable_blocks(self) -> int:
+        """The most blocks the scheduler can ever hold at once: --max-num-seqs requests of
+        --max-model-len tokens each, plus vLLM's null block. A pool past that would only hold
+        prefix cache, and it costs start time: every page is committed up front."""
+        per_request = -(-self.model_config.max_model_len // self.cache_config.block_size)
+        return self.scheduler_config.max_num_seqs * per_request + 1
+
     def determine_available_memory(self) -> list[int]:
         caches = self._layer_caches()
         max_len = self.model_config.max_model_len
@@ -193,15 +200,23 @@ class ClusterExecutor(Executor):
                 log.error("%s: %s", where, e)
                 logging.shutdown()
                 os._exit(3)
-        return [r.kv_budget_bytes for r in self.assigned]
+        usable = self.usable_blocks()
+        budgets = [min(r.kv_budget_bytes, usable * r.bytes_per_block) for r in self.assigned]
+        if budgets != [r.kv_budget_bytes for r in self.assigned]:
+            log.info("KV pool capped at %d blocks: all that %d requests of %d tokens can use (--max-num-seqs x "
+                     "--max-model-len); the memory share would hold %d", usable, self.scheduler_config.max_num_seqs,
+                     self.model_config.max_model_len,
+                     min(r.kv_budget_bytes // max(r.bytes_per_block, 1) for r in self.assigned))
+        return budgets
 
     def initialize_from_config(self, kv_cache_configs) -> None:
         self.num_blocks = min(c.num_blocks for c in kv_cache_configs)
         self.kv_groups = global_kv_groups(kv_cache_configs)
         block_size = self.cache_config.block_size
         wire = wire_dtype([r.dtype for r in self.assigned])
-        self.pipeline.start(self.num_blocks, replan.ring_hosts(self.pipeline.stages, self.healths), RING_TIMEOUT_S,
-                            wire, self.kv_groups)
+        with load_progress.reported(self.pipeline.stages, lambda line: log.info("%s", line)):
+            started = self.pipeline.start(self.num_blocks, replan.ring_hosts(self.pipeline.stages, self.healths),
+                                          RING_TIMEOUT_S, wire, self.kv_groups)
         kv = ", ".join(sorted({f"{r.dtype}: {r.bytes_per_block / block_size / 1024:.1f} KiB per token"
                                for r in self.assigned}))
         groups = (f"; {len(self.kv_groups)} KV cache groups, sliding-window layers hold only their window"
@@ -209,6 +224,8 @@ class ClusterExecutor(Executor):
         log.info("KV cache: %d blocks x %d tokens = %d tokens on every stage (%s)%s%s", self.num_blocks, block_size,
                  self.num_blocks * block_size, kv, groups,
                  f"; hidden states travel as {wire}" if len(self.pipeline) > 1 else "")
+        log.info("%s", start_times.line(self.assigned, started, self.num_blocks * sum(
+            r.bytes_per_block for r in self.assigned)))
         run_dir = os.environ.get(RUN_DIR_ENV)
         self.monitor = Monitor(self.pipeline, self.ranges, self.model_name, Path(run_dir) if run_dir else None,
                                self.control, self.stage_timeout_s, on_lost=self._lose)

@@ -1,5 +1,7 @@
 """Cluster routes on vLLM's API server (installed with vLLM's --middleware hook):
 
+  GET  /                       a page linking the dashboard and the API
+  GET  /dashboard              the cluster drawn (dashboard.html; needs the --api-key when one is set)
   GET  /metal-cluster/status   the nodes/stages snapshot the executor keeps
   POST /metal-cluster/drain    stop admitting new requests (503); running ones finish
   POST /metal-cluster/rebalance  re-plan over the stages plus {"peers": ["host:port", ...]}, after
@@ -10,15 +12,44 @@ While the cluster cannot hold the model (stages lost, too few hosts left) new re
 that says why, at once, instead of waiting for a plan that is not coming.
 """
 
+import hmac
 import json
 import os
+from importlib import resources
 from pathlib import Path
 
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV, SNAPSHOT, read_json
 
 STATE_VALUES = {"serving": 1, "loaded": 2, "idle": 3, "down": 0}
+# The server's --api-key values, one per line (set by serve.run before the app starts).
+API_KEYS_ENV = "METAL_CLUSTER_API_KEYS"
+INDEX = """<!doctype html><meta charset="utf-8"><title>metal-cluster</title>
+<p>metal-cluster: <a href="/dashboard">dashboard</a> · OpenAI API at <code>/v1</code>
+(<a href="/v1/models">models</a>, <a href="/docs">docs</a>) · <a href="/metrics">metrics</a></p>"""
+
+
+def _api_keys() -> list[str]:
+    keys = [k for k in os.environ.get(API_KEYS_ENV, "").splitlines() if k]
+    return keys + ([os.environ["VLLM_API_KEY"]] if os.environ.get("VLLM_API_KEY") else [])
+
+
+def _authorized(request) -> bool:
+    """With --api-key set: `Authorization: Bearer KEY`, or `?key=KEY` for a browser's address bar."""
+    keys = _api_keys()
+    if not keys:
+        return True
+    header = request.headers.get("authorization", "")
+    given = header[7:] if header.lower().startswith("bearer ") else request.query_params.get("key", "")
+    return any(hmac.compare_digest(given.encode(), k.encode()) for k in keys)
+
+
+def _dashboard(request):
+    if not _authorized(request):
+        return _error(401, "the dashboard needs the server's API key: open /dashboard?key=YOUR_KEY", "Unauthorized")
+    page = resources.files("metal_cluster.coordinator").joinpath("dashboard.html").read_text(encoding="utf-8")
+    return HTMLResponse(page)
 
 
 def _snapshot() -> dict | None:
@@ -69,6 +100,10 @@ def _error(status: int, message: str, kind: str) -> JSONResponse:
 async def cluster_routes(request, call_next):
     path, method = request.url.path, request.method
     state = request.app.state
+    if path == "/dashboard" and method == "GET":
+        return _dashboard(request)
+    if path == "/" and method == "GET":
+        return HTMLResponse(INDEX)
     if path == "/metal-cluster/status" and method == "GET":
         snapshot = _snapshot()
         if snapshot is None:

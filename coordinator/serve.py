@@ -10,8 +10,10 @@ import threading
 import time
 import urllib.request
 
+from metal_cluster.coordinator import start_times
 from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV
 from metal_cluster.coordinator.executor_env import LAYERS_ENV, STAGES_ENV
+from metal_cluster.coordinator.http_routes import API_KEYS_ENV
 from metal_cluster.coordinator.vllm_platform import ACTIVATE_ENV
 from metal_cluster.stage_worker.model_source import ModelSource
 
@@ -27,12 +29,12 @@ def vllm_argv(source: ModelSource, served_name: str, host: str, port: int, extra
         "--middleware", "metal_cluster.coordinator.http_routes.cluster_routes",
         "--middleware", "metal_cluster.coordinator.admission.Admission",
     ]
-    if not _has_flag(extra, "--served-model-name"):
+    if not has_flag(extra, "--served-model-name"):
         argv += ["--served-model-name", served_name]
     return argv + extra  # argparse keeps the last value: the user's flags win
 
 
-def _has_flag(args: list[str], flag: str) -> bool:
+def has_flag(args: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
@@ -67,6 +69,8 @@ def run(argv: list[str], stage_addresses: list[str] | None = None, run_dir=None,
     args = parser.parse_args(argv)
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
+    if args.api_key:  # the dashboard route asks for the same key as the API
+        os.environ[API_KEYS_ENV] = "\n".join(args.api_key if isinstance(args.api_key, list) else [args.api_key])
     _announce_when_ready(args)
     uvloop.run(run_server(args))
 
@@ -90,7 +94,10 @@ def _announce_when_ready(args) -> None:
         blocks, block_size = _kv_from_metrics(url)
         names = ", ".join(args.served_model_name or [args.model])
         kv = f"KV {blocks} blocks x {block_size} = {blocks * block_size} tokens" if blocks else "KV size unknown"
-        print(f"metal-cluster: ready: model {names}; {kv}; OpenAI API at {url}/v1", flush=True)
+        took = start_times.since_start()
+        after = f" after {took:.1f} s" if took is not None else ""
+        print(f"metal-cluster: ready{after}: model {names}; {kv}; OpenAI API at {url}/v1; dashboard at {url}/dashboard",
+              flush=True)
 
     threading.Thread(target=wait, name="ready-announcer", daemon=True).start()
 

@@ -203,7 +203,7 @@ class Pipeline:
         return list(self.pool.map(lambda sr: sr[0].assign(sr[1]), zip(self.stages, reqs)))
 
     def start(self, num_blocks: int, ring_hosts: list[str], ring_timeout_s: float = 60, wire: str = "",
-              kv_groups: list[list[int]] = ()) -> None:
+              kv_groups: list[list[int]] = ()) -> list[pb.StartResponse]:
         """kv_groups: vLLM's KV cache groups as global layer indices (empty: one group)."""
         hostfile = json.dumps([[h] for h in ring_hosts])
         groups = [pb.BlockIds(ids=g) for g in kv_groups]
@@ -213,7 +213,7 @@ class Pipeline:
             for k in range(len(self.stages))
         ]
         # Every rank must be joining at once: the ring connects only when all are there.
-        list(self.pool.map(lambda sr: sr[0].start(sr[1]), zip(self.stages, reqs)))
+        return list(self.pool.map(lambda sr: sr[0].start(sr[1]), zip(self.stages, reqs)))
 
     def submit(self, step: pb.StepRequest) -> Future:
         """Every stage gets every step; the answer is the last stage's. The first error answers at

@@ -105,7 +105,8 @@ def render(view: dict) -> Group:
     ttft = f"{view['mean_ttft_s']:.2f}s" if view["mean_ttft_s"] is not None else "-"
     summary = (f"requests: {r['running']} running, {r['waiting']} waiting   "
                f"output: {view['output_tokens_per_s']:.1f} tokens/s   mean TTFT: {ttft}")
-    return Group(nodes, stages, summary, *_cluster_lines(view.get("cluster") or {}))
+    return Group(nodes, stages, summary, *_cluster_lines(view.get("cluster") or {}),
+                 f"dashboard: {view['url']}/dashboard")
 
 
 def _fetched(stage: dict) -> str:

@@ -161,7 +161,7 @@ class AssignRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., memory_utilization: _Optional[float] = ..., model_store: _Optional[str] = ..., manifest_sha256: _Optional[str] = ...) -> None: ...
 
 class AssignResponse(_message.Message):
-    __slots__ = ("weights_bytes", "activation_bytes", "bytes_per_block", "kv_budget_bytes", "num_layers", "host_memory_bytes", "dtype")
+    __slots__ = ("weights_bytes", "activation_bytes", "bytes_per_block", "kv_budget_bytes", "num_layers", "host_memory_bytes", "dtype", "load_seconds", "warm_up_seconds")
     WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,8 @@ class AssignResponse(_message.Message):
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     HOST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WARM_UP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     weights_bytes: int
     activation_bytes: int
     bytes_per_block: int
@@ -176,7 +178,9 @@ class AssignResponse(_message.Message):
     num_layers: int
     host_memory_bytes: int
     dtype: str
-    def __init__(self, weights_bytes: _Optional[int] = ..., activation_bytes: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    load_seconds: float
+    warm_up_seconds: float
+    def __init__(self, weights_bytes: _Optional[int] = ..., activation_bytes: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., load_seconds: _Optional[float] = ..., warm_up_seconds: _Optional[float] = ...) -> None: ...
 
 class StartRequest(_message.Message):
     __slots__ = ("version", "num_blocks", "rank", "world_size", "ring_hostfile", "ring_timeout_s", "wire_dtype", "kv_groups")
@@ -199,8 +203,10 @@ class StartRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., num_blocks: _Optional[int] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., ring_hostfile: _Optional[str] = ..., ring_timeout_s: _Optional[float] = ..., wire_dtype: _Optional[str] = ..., kv_groups: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ...) -> None: ...
 
 class StartResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("kv_allocate_seconds",)
+    KV_ALLOCATE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    kv_allocate_seconds: float
+    def __init__(self, kv_allocate_seconds: _Optional[float] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ("version", "heartbeat")
@@ -211,7 +217,7 @@ class HealthRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., heartbeat: _Optional[bool] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("version", "state", "node_id", "layer_start", "layer_end", "num_blocks", "num_requests", "resident_bytes", "steps", "ring_port", "host_id", "kv_blocks_used", "host_memory_bytes", "host_memory_available_bytes", "device", "step_seconds", "ring_bytes_sent", "coordinator_silent_s", "kv_dtype", "fetch_bytes_total", "fetch_bytes_done", "fetch_bytes_received")
+    __slots__ = ("version", "state", "node_id", "layer_start", "layer_end", "num_blocks", "num_requests", "resident_bytes", "steps", "ring_port", "host_id", "kv_blocks_used", "host_memory_bytes", "host_memory_available_bytes", "device", "step_seconds", "ring_bytes_sent", "coordinator_silent_s", "kv_dtype", "fetch_bytes_total", "fetch_bytes_done", "fetch_bytes_received", "phase")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +240,7 @@ class HealthResponse(_message.Message):
     FETCH_BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     FETCH_BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
     FETCH_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
     version: int
     state: str
     node_id: str
@@ -256,7 +263,8 @@ class HealthResponse(_message.Message):
     fetch_bytes_total: int
     fetch_bytes_done: int
     fetch_bytes_received: int
-    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., node_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., ring_port: _Optional[int] = ..., host_id: _Optional[str] = ..., kv_blocks_used: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., host_memory_available_bytes: _Optional[int] = ..., device: _Optional[str] = ..., step_seconds: _Optional[float] = ..., ring_bytes_sent: _Optional[int] = ..., coordinator_silent_s: _Optional[float] = ..., kv_dtype: _Optional[str] = ..., fetch_bytes_total: _Optional[int] = ..., fetch_bytes_done: _Optional[int] = ..., fetch_bytes_received: _Optional[int] = ...) -> None: ...
+    phase: str
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., node_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., ring_port: _Optional[int] = ..., host_id: _Optional[str] = ..., kv_blocks_used: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., host_memory_available_bytes: _Optional[int] = ..., device: _Optional[str] = ..., step_seconds: _Optional[float] = ..., ring_bytes_sent: _Optional[int] = ..., coordinator_silent_s: _Optional[float] = ..., kv_dtype: _Optional[str] = ..., fetch_bytes_total: _Optional[int] = ..., fetch_bytes_done: _Optional[int] = ..., fetch_bytes_received: _Optional[int] = ..., phase: _Optional[str] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("version",)

@@ -226,8 +226,22 @@ def _tokenizer_json(metadata: dict) -> str:
     return tokenizer.to_str(pretty=True)
 
 
-def tokenizer_files(metadata: dict) -> dict[str, str]:
-    """File name -> JSON text for the tokenizer files of a Hugging Face folder."""
+# llama.cpp's sampling keys (GGUF `general.sampling.*`) -> Hugging Face generation_config names.
+_SAMPLING_KEYS = {"temp": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                  "penalty_repeat": "repetition_penalty"}
+
+
+def sampling_defaults(metadata: dict) -> dict:
+    """The sampling defaults a GGUF file names for itself, as generation_config.json keys; vLLM
+    applies them to requests that leave those fields out."""
+    found = {hf: _py(metadata[f"general.sampling.{key}"]) for key, hf in _SAMPLING_KEYS.items()
+             if f"general.sampling.{key}" in metadata}
+    return {**found, "do_sample": True} if found else {}
+
+
+def tokenizer_files(metadata: dict, sampling: dict | None = None) -> dict[str, str]:
+    """File name -> JSON text for the tokenizer (and generation config) files of a Hugging Face
+    folder; `sampling` (generation_config.json names) wins over the file's own sampling keys."""
     specials = {
         f"{role}_token": _token(metadata, name)
         for role, name in (("bos", "bos"), ("eos", "eos"), ("unk", "unknown"), ("pad", "padding"))
@@ -249,6 +263,9 @@ def tokenizer_files(metadata: dict) -> dict[str, str]:
         for name in ("bos", "eos")
         if f"tokenizer.ggml.{name}_token_id" in metadata
     }
+    generation.update(sampling_defaults(metadata))
+    if sampling:
+        generation.update({**sampling, "do_sample": True})
     dump = lambda obj: json.dumps(obj, indent=2, ensure_ascii=False)  # noqa: E731
     return {
         "tokenizer.json": _tokenizer_json(metadata),
@@ -263,20 +280,23 @@ def tokenizer_files(metadata: dict) -> dict[str, str]:
 
 
 # Bump when what prepare_gguf_folder writes changes, so old cached folders are not reused.
-FOLDER_FORMAT = 1
+FOLDER_FORMAT = 2
 
 
-def prepare_gguf_folder(gguf_path: str | Path, cache_root: str | Path) -> Path:
+def prepare_gguf_folder(gguf_path: str | Path, cache_root: str | Path, sampling: dict | None = None) -> Path:
     """A folder with config.json, the tokenizer files and gguf_source.json for a GGUF file.
 
-    The folder name carries a hash of (absolute path, size, mtime), so an edited or replaced
-    file gets a fresh folder and an unchanged one reuses the old folder without reading the GGUF.
+    `sampling`: generation defaults (generation_config.json names, e.g. temperature) that win over
+    any the file names itself; vLLM applies them to requests without those fields.
+    The folder name carries a hash of (absolute path, size, mtime, sampling), so an edited or
+    replaced file gets a fresh folder and an unchanged one reuses the old folder without reading the GGUF.
     """
     path = Path(gguf_path).resolve()
     if not path.is_file():
         raise ModelLoadError(f"cannot read GGUF {path}: no such file")
     stat = path.stat()
-    identity = f"{FOLDER_FORMAT}\0{path}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    sampling = dict(sampling or {})
+    identity = f"{FOLDER_FORMAT}\0{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{json.dumps(sampling, sort_keys=True)}"
     key = hashlib.sha256(identity.encode()).hexdigest()[:12]
     cache_root = Path(cache_root)
     folder = cache_root / f"{path.stem}-{key}"
@@ -288,7 +308,7 @@ def prepare_gguf_folder(gguf_path: str | Path, cache_root: str | Path) -> Path:
     try:
         files = {
             "config.json": json.dumps(hf_config(metadata, tensors), indent=2),
-            **tokenizer_files(metadata),
+            **tokenizer_files(metadata, sampling),
             "gguf_source.json": json.dumps({"gguf": str(path)}, indent=2),
         }
     except ModelLoadError as e:  # hf_config/tokenizer_files do not know the file: name it

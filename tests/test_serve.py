@@ -182,6 +182,18 @@ def test_smollm2_chat_matches_mlx_lm(tmp_path):
                                            temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
         assert r.choices[0].token_ids == expected
         assert "Paris" in r.choices[0].message.content
+    assert_plain_start_progress((tmp_path / "smollm.log").read_text())
+
+
+def assert_plain_start_progress(log: str) -> None:
+    """The server's output is a file here (as under launchd/systemd): no bars, no escape codes; each
+    start phase of the stage once, in order, then one line saying where the time went."""
+    assert "\x1b[" not in log and "━" not in log
+    lines = [line.split("] ", 1)[-1] for line in log.splitlines() if "stage local: " in line]
+    phases = [line.split(" (")[0] for line in lines if not line.startswith("stage local: layers")]
+    assert phases == ["stage local: loading weights", "stage local: warming up",
+                      "stage local: allocating the KV pool"], lines
+    assert len([line for line in log.splitlines() if "start: load" in line]) == 1
 
 
 def test_budget_too_small_fails_at_start_with_the_numbers(tmp_path):

@@ -30,6 +30,7 @@ class RequestState:
     rng: np.random.Generator = field(default_factory=np.random.default_rng)
     # history index -> (the step's device tokens, row): where a PENDING entry's token is
     on_device: dict = field(default_factory=dict)
+    prompt_logprobs_done: bool = False  # reported once: a recomputation after preemption does not redo them
 
     @property
     def output_ids(self) -> list[int]:

@@ -465,7 +465,8 @@ def test_a_client_that_disconnects_frees_its_kv_blocks_at_once(tiny_server):
 
 
 def test_fuzzed_api_gives_no_server_error_and_leaks_nothing(client, tiny_server, tmp_path):
-    """schemathesis against the server's own /openapi.json, POST /v1/* only, bounded: a fixed number
+    """schemathesis against the server's own /openapi.json, POST /v1/* and /generative_scoring (its
+    label logprobs once gave a 500), bounded: a fixed number
     of examples per route, a fixed seed, a per-request and a whole-run time limit. vLLM answers 501
     Not Implemented, on purpose, for APIs the model has not got (decisions, ...): that is an answer,
     not a failure; any other 5xx, a timeout or a dead server fails."""
@@ -476,8 +477,8 @@ def test_fuzzed_api_gives_no_server_error_and_leaks_nothing(client, tiny_server,
 
     st = shutil.which("st", path=str(Path(sys.executable).parent)) or pytest.fail("schemathesis is not installed "
                                                                                   "(the test extras)")
-    cmd = [st, "run", f"{tiny_server}/openapi.json", "--include-path-regex", "^/v1/", "--exclude-method", "GET",
-           "--exclude-method", "DELETE", "--checks", "not_a_server_error", "--max-examples", "8", "--seed", "1",
+    cmd = [st, "run", f"{tiny_server}/openapi.json", "--include-path-regex", "^/(v1/|generative_scoring$)",
+           "--exclude-method", "GET", "--exclude-method", "DELETE", "--checks", "not_a_server_error", "--max-examples", "8", "--seed", "1",
            "--phases", "examples,fuzzing", "--no-shrink", "--request-timeout", "30", "--workers", "2"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=150, cwd=tmp_path)
     out = run.stdout + run.stderr

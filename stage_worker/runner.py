@@ -180,14 +180,13 @@ class StageRunner:
         rows = []
         for req_id in req_ids:
             state = self.table[req_id]
-            output_ids = state.output_ids
-            rows.append(SampleRow(
-                params=state.sampling,
-                prompt_ids=state.token_ids[: state.num_prompt_tokens],
-                output_ids=output_ids,
-                draw=draw_key(state.sampling, len(output_ids), state.rng),
-                allowed_mask=grammar.get(req_id),
-            ))
+            num_outputs = len(state.token_ids) - state.num_prompt_tokens
+            row = SampleRow(params=state.sampling, num_outputs=num_outputs,
+                            draw=draw_key(state.sampling, num_outputs, state.rng), allowed_mask=grammar.get(req_id))
+            if needs_history(state.sampling):
+                row.prompt_ids = tuple(state.token_ids[: state.num_prompt_tokens])
+                row.output_ids = tuple(state.output_ids)
+            rows.append(row)
         return rows
 
     def _forward(self, batch: StepBatch, hidden_in: mx.array | None) -> mx.array:

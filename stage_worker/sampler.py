@@ -22,10 +22,12 @@ _MASK64 = (1 << 64) - 1
 @dataclass
 class SampleRow:
     params: pb.SamplingParams
-    prompt_ids: list[int]
-    output_ids: list[int]  # real ids where `needs_history`; otherwise only its length counts
+    num_outputs: int  # tokens the request has generated so far
     draw: int  # 64-bit key of this row's random draw (seeded requests: fixed by seed and position)
     allowed_mask: np.ndarray | None = None  # packed int32 grammar bitmask row
+    # The token history, only where `needs_history` (copying it every step costs the host time).
+    prompt_ids: tuple[int, ...] = ()
+    output_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -200,17 +202,17 @@ def _bad_word_bans(row: SampleRow) -> list[int]:
     out = row.output_ids
     bans = []
     for word in row.params.bad_words:
-        ids = list(word.token_ids)
+        ids = tuple(word.token_ids)
         prefix = ids[:-1]
         if len(prefix) > len(out):
             continue
-        if not prefix or out[len(out) - len(prefix):] == prefix:
+        if not prefix or tuple(out[len(out) - len(prefix):]) == prefix:
             bans.append(ids[-1])
     return bans
 
 
 def _apply_min_tokens(logits: mx.array, rows: list[SampleRow]) -> mx.array:
-    early = [i for i, r in enumerate(rows) if len(r.output_ids) < r.params.min_tokens and r.params.stop_token_ids]
+    early = [i for i, r in enumerate(rows) if r.num_outputs < r.params.min_tokens and r.params.stop_token_ids]
     if not early:
         return logits
     stops = _mask(logits.shape, [(i, t) for i in early for t in rows[i].params.stop_token_ids])

@@ -35,7 +35,11 @@ class PromptLogprobsCollector:
                 continue  # reported already (a recomputation after preemption)
             self._store(part, chunk)
             if chunk.complete:
-                done[chunk.req_id] = _tensors(self.partial.pop(chunk.req_id))
+                del self.partial[chunk.req_id]
+                # A one-token prompt scores nothing: vLLM's output already holds its None, and an
+                # empty tensor would break the engine's output encoder (a zero stride).
+                if part.rows:
+                    done[chunk.req_id] = _tensors(part)
         return done
 
     @staticmethod
@@ -57,6 +61,4 @@ def _tensors(part: _Partial):
     import torch
     from vllm.v1.outputs import LogprobsTensors
 
-    if part.ids is None:  # nothing to score: a one-token prompt
-        return LogprobsTensors.empty_cpu(0, 1)
     return LogprobsTensors(torch.from_numpy(part.ids), torch.from_numpy(part.logprobs), torch.from_numpy(part.ranks))

@@ -161,6 +161,9 @@ def test_prompt_logprobs_and_logprobs_match_mlx_lm(client, llama_model):
     token = choice.token_ids[0]
     assert token == int(np.argmax(expected[-1]))
     assert abs(choice.logprobs.token_logprobs[0] - expected[-1, token]) < 1e-4
+    # A one-token prompt has nothing to score (an empty answer once stopped the engine's output).
+    one = client.completions.create(model="tiny", prompt=[5], max_tokens=2, extra_body={"prompt_logprobs": 1})
+    assert one.choices[0].model_extra["prompt_logprobs"] == [None]
     # Longer than --max-num-batched-tokens: two prefill chunks, which must line up. (Over 300
     # tokens our paged attention and mlx-lm's differ by up to 2e-4 in float32.)
     ids = [(7 * i + 3) % 700 + 10 for i in range(300)]

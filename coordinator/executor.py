@@ -285,7 +285,8 @@ class ClusterExecutor(Executor):
                 # Record the sampled tokens before anyone sees the output: the scheduler may put
                 # these requests into the very next step.
                 self.translator.record(response)
-            out.set_result(to_runner_output(so, response))
+                prompt_logprobs = self.translator.prompt_logprobs.add(response.prompt_logprobs)
+            out.set_result(to_runner_output(so, response, prompt_logprobs))
 
         answer = pipeline.submit(step)
         out.run = answer.exception  # vLLM's wait for this step drives an in-process stage's answer

@@ -9,10 +9,13 @@ from collections import defaultdict
 
 import numpy as np
 
+from metal_cluster.coordinator.prompt_logprobs import PromptLogprobsCollector
 from metal_cluster.proto import PROTO_VERSION, pb
 
 
 def sampling_to_proto(sp) -> pb.SamplingParams:
+    """vLLM's SamplingParams, as far as choosing a token needs them (stop strings, n, max_tokens and
+    detokenizing stay with vLLM's front end and scheduler)."""
     out = pb.SamplingParams(
         temperature=sp.temperature,
         top_p=sp.top_p,
@@ -26,6 +29,18 @@ def sampling_to_proto(sp) -> pb.SamplingParams:
         out.seed = sp.seed
     if sp.logprobs is not None:
         out.logprobs = sp.logprobs
+    if sp.prompt_logprobs is not None:
+        out.prompt_logprobs = sp.prompt_logprobs
+    out.logprob_token_ids.extend(sp.logprob_token_ids or ())
+    out.allowed_token_ids.extend(sp.allowed_token_ids or ())
+    for word in sp.bad_words_token_ids or ():
+        out.bad_words.add(token_ids=word)
+    if sp.min_tokens:
+        out.min_tokens = sp.min_tokens
+        out.stop_token_ids.extend(sorted(sp.all_stop_token_ids))  # EOS and stop_token_ids
+    for token, bias in (sp.logit_bias or {}).items():
+        out.logit_bias[int(token)] = bias
+    out.structured = sp.structured_outputs is not None
     return out
 
 
@@ -35,6 +50,7 @@ class StepTranslator:
         # A single stage (first and last) keeps what it samples; stage 0 of a pipeline is told.
         self.stage_keeps_tokens = stage_keeps_tokens
         self.unsent: dict[str, list[int]] = defaultdict(list)
+        self.prompt_logprobs = PromptLogprobsCollector()
 
     def to_step(self, so, grammar=None) -> pb.StepRequest:
         step = pb.StepRequest(version=PROTO_VERSION, step_id=self.step_id, stage_keeps_tokens=self.stage_keeps_tokens)
@@ -42,7 +58,10 @@ class StepTranslator:
         step.finished_req_ids.extend(so.finished_req_ids)
         for req_id in so.finished_req_ids:
             self.unsent.pop(req_id, None)
+            self.prompt_logprobs.forget(req_id)
         for new in so.scheduled_new_reqs:
+            if new.sampling_params.prompt_logprobs is not None:
+                self.prompt_logprobs.expect(new.req_id, len(new.prompt_token_ids))
             step.new_requests.append(pb.NewRequest(
                 req_id=new.req_id,
                 prompt_token_ids=new.prompt_token_ids,
@@ -86,7 +105,7 @@ class StepTranslator:
             self.unsent[s.req_id].append(s.token_id)
 
 
-def to_runner_output(so, response: pb.StepResponse):
+def to_runner_output(so, response: pb.StepResponse, prompt_logprobs: dict | None = None):
     from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 
     req_ids = list(so.num_scheduled_tokens)
@@ -108,4 +127,5 @@ def to_runner_output(so, response: pb.StepResponse):
             ids[row, 1 : 1 + k] = s.top.token_ids
             lps[row, 1 : 1 + k] = s.top.logprobs
         logprobs = LogprobsLists(ids, lps, ranks)
-    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index=index, sampled_token_ids=tokens, logprobs=logprobs)
+    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index=index, sampled_token_ids=tokens, logprobs=logprobs,
+                             prompt_logprobs_dict=prompt_logprobs or {})

@@ -16,12 +16,11 @@ SCHEDULER = "metal_cluster.coordinator.cluster_scheduler.ClusterScheduler"
 ASYNC_SCHEDULER = "metal_cluster.coordinator.cluster_scheduler.AsyncClusterScheduler"
 
 # Request fields the MLX sampler does not implement: refused with a 400 naming them, never ignored.
+# vLLM itself refuses both unless the server was started with the feature (--reasoning-parser,
+# --enable-trace-replay), which vLLM then implements only in its own GPU model runner.
 UNSUPPORTED_SAMPLING = {
-    "logit_bias": lambda p: bool(p.logit_bias),
-    "allowed_token_ids": lambda p: bool(p.allowed_token_ids),
-    "bad_words": lambda p: bool(p.bad_words),
-    "prompt_logprobs": lambda p: p.prompt_logprobs is not None,
-    "min_tokens": lambda p: p.min_tokens > 0,
+    "thinking_token_budget": lambda p: getattr(p, "thinking_token_budget", None) is not None,
+    "trace_decode_token_ids": lambda p: bool(getattr(p, "trace_decode_token_ids", None)),
 }
 
 
@@ -125,7 +124,7 @@ class MetalClusterPlatform(Platform):
         from vllm.exceptions import VLLMValidationError  # a client error: vLLM answers 400
 
         for name, used in UNSUPPORTED_SAMPLING.items():
-            if used(params):
+            if hasattr(params, "temperature") and used(params):  # SamplingParams, not PoolingParams
                 raise VLLMValidationError(
                     f"'{name}' is not supported by metal-cluster's sampler; remove it from the request", parameter=name
                 )

@@ -17,6 +17,18 @@ class GroupTables:
 
 
 @dataclass
+class PromptRows:
+    """A request asking for prompt logprobs: its rows of this chunk that score a next prompt token."""
+
+    req_id: str
+    start: int  # prompt position of the first row; row i scores prompt token start + i + 1
+    first_row: int  # that row's index in the packed batch
+    targets: list[int]
+    num_logprobs: int  # the top k besides the prompt token (-1: all)
+    complete: bool  # this chunk reaches the end of the prompt
+
+
+@dataclass
 class StepBatch:
     req_ids: list[str]  # in batch order, one per scheduled request
     num_tokens: list[int]
@@ -29,12 +41,13 @@ class StepBatch:
     # (row in token_ids, request, history index) of tokens this stage sampled that are still on
     # the device: token_ids holds PENDING there until the runner fills them in.
     pending: list[tuple[int, str, int]]
+    prompt_rows: list[PromptRows]
 
 
 def build_batch(table: RequestTable, scheduled, block_size: int) -> StepBatch:
     req_ids, num_tokens, tokens, positions = [], [], [], []
     slots, tables = [[] for _ in range(table.num_groups)], [[] for _ in range(table.num_groups)]
-    seq_lens, logits_rows, sample_ids, pending = [], [], [], []
+    seq_lens, logits_rows, sample_ids, pending, prompt_rows = [], [], [], [], []
     for sched in scheduled:
         if sched.num_tokens == 0:
             continue
@@ -53,6 +66,8 @@ def build_batch(table: RequestTable, scheduled, block_size: int) -> StepBatch:
                     f"request {sched.req_id!r}: {end} tokens need {-(-end // block_size)} blocks, "
                     f"it has {len(group)}"
                 )
+        if state.sampling.HasField("prompt_logprobs") and not state.prompt_logprobs_done:
+            prompt_rows.append(_prompt_rows(state, start, end, len(tokens)))
         req_ids.append(sched.req_id)
         num_tokens.append(n)
         scheduled = state.token_ids[start:end]
@@ -95,4 +110,12 @@ def build_batch(table: RequestTable, scheduled, block_size: int) -> StepBatch:
         logits_rows=mx.array(logits_rows, dtype=mx.int32),
         sample_req_ids=sample_ids,
         pending=pending,
+        prompt_rows=prompt_rows,
     )
+
+
+def _prompt_rows(state, start: int, end: int, first_row: int) -> PromptRows:
+    # The last prompt position predicts the first output token: that one is sampled, not scored.
+    last = min(end, state.num_prompt_tokens - 1)
+    return PromptRows(state.req_id, start, first_row, state.token_ids[start + 1 : last + 1],
+                      state.sampling.prompt_logprobs, end >= state.num_prompt_tokens)

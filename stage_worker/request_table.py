@@ -32,6 +32,7 @@ class RequestState:
     on_device: dict = field(default_factory=dict)
     # per KV cache group: the leading blocks dropped as behind a sliding window
     forgotten: list[int] = field(default_factory=list)
+    prompt_logprobs_done: bool = False  # reported once: a recomputation after preemption does not redo them
 
     @property
     def output_ids(self) -> list[int]:

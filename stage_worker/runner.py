@@ -16,7 +16,8 @@ from metal_cluster.stage_worker.attention import LayerContext
 from metal_cluster.stage_worker.batch import StepBatch, build_batch
 from metal_cluster.stage_worker.paged_kv import KVPool
 from metal_cluster.stage_worker.request_table import PENDING, RequestTable, RequestState, StepError
-from metal_cluster.stage_worker.sampler import Sampled, SampleRow, plain_greedy, sample_rows
+from metal_cluster.stage_worker.sampler import (Sampled, SampleRow, draw_key, gather_logprobs, log_softmax,
+                                                needs_history, sample)
 from metal_cluster.stage_worker.shard import ModelShard
 
 
@@ -45,6 +46,7 @@ class StageOutput:
     hidden: mx.array | None = None  # [total_q, hidden] for the next stage (non-last stages), evaluated
     sampled: dict[str, Sampled] = field(default_factory=dict)  # last stage only
     on_device: DeviceTokens | None = None  # kept tokens not read back yet: `resolve` reads them
+    prompt_logprobs: list = field(default_factory=list)  # pb.PromptLogprobs of this step's prompt chunks
 
     def resolve(self) -> "StageOutput":
         if self.on_device is not None:
@@ -87,28 +89,58 @@ class StageRunner:
         if not self.shard.is_last:
             out.hidden = hidden
             return out
+        out.prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if not batch.sample_req_ids:
             mx.async_eval(hidden)  # a prompt chunk that samples nothing still writes its KV
             return out
         logits = self.shard.logits(hidden[batch.logits_rows])
+        if any(needs_history(self.table[r].sampling) for r in batch.sample_req_ids):
+            self._read_back_kept()  # penalties and bad words look at the real token history
         rows = self._sample_rows(batch.sample_req_ids, _grammar_rows(step))
-        if all(plain_greedy(r) for r in rows):
-            # Copying [rows, vocab] logits to the host and scanning them in NumPy cost more than
-            # the attention of a whole decode step on a GPU.
-            tokens = mx.argmax(logits, axis=-1).astype(mx.int32)
-            out.on_device = on_device = DeviceTokens(batch.sample_req_ids, tokens, [])
+        chosen = sample(logits, rows)
+        if chosen.logprobs is None:
+            # Only token ids leave the device, and a stage that keeps its tokens does not even wait
+            # for those: the next step embeds them from where they are.
+            out.on_device = on_device = DeviceTokens(batch.sample_req_ids, chosen.tokens, [])
             if not step.stage_keeps_tokens:
                 return out.resolve()
-            mx.async_eval(tokens)
+            mx.async_eval(chosen.tokens)
             for row, req_id in enumerate(batch.sample_req_ids):
                 on_device.slots.append(self._keep(self.table[req_id], PENDING, (on_device, row)))
             return out
-        self._read_back_kept()  # penalties and logprobs need the real histories
-        logits = np.array(logits.astype(mx.float32))
-        out.sampled = dict(zip(batch.sample_req_ids, sample_rows(logits, rows)))
+        out.sampled = dict(zip(batch.sample_req_ids, chosen.to_host(rows)))
         if step.stage_keeps_tokens:
             for req_id, s in out.sampled.items():
                 self._keep(self.table[req_id], s.token_id)
+        return out
+
+    def _prompt_logprobs(self, batch: StepBatch, hidden: mx.array) -> list[pb.PromptLogprobs]:
+        """vLLM's prompt logprobs, chunk by chunk: the logits of every prompt position, but only
+        for the requests that ask."""
+        if not batch.prompt_rows:
+            return []
+        positions = [p.first_row + i for p in batch.prompt_rows for i in range(len(p.targets))]
+        targets = [t for p in batch.prompt_rows for t in p.targets]
+        vocab = 0  # -1 asks for the whole vocabulary; with no rows this chunk, no width is needed
+        if positions:
+            logprobs = log_softmax(self.shard.logits(hidden[mx.array(positions)]).astype(mx.float32))
+            vocab = logprobs.shape[-1]
+            widest = max(vocab if p.num_logprobs < 0 else p.num_logprobs for p in batch.prompt_rows)
+            scored = gather_logprobs(logprobs, mx.array(targets, dtype=mx.int32), widest)
+            ids, lps, ranks = (np.array(a) for a in scored.arrays())
+        out, row = [], 0
+        for p in batch.prompt_rows:
+            width = 1 + (vocab if p.num_logprobs < 0 else p.num_logprobs)
+            n = len(p.targets)
+            msg = pb.PromptLogprobs(req_id=p.req_id, start=p.start, width=width, complete=p.complete)
+            if n:
+                msg.token_ids.extend(ids[row:row + n, :width].ravel().tolist())
+                msg.logprobs.extend(lps[row:row + n, :width].ravel().tolist())
+                msg.ranks.extend(ranks[row:row + n].tolist())
+            row += n
+            if p.complete:
+                self.table[p.req_id].prompt_logprobs_done = True
+            out.append(msg)
         return out
 
     @staticmethod
@@ -148,13 +180,13 @@ class StageRunner:
         rows = []
         for req_id in req_ids:
             state = self.table[req_id]
-            rows.append(SampleRow(
-                params=state.sampling,
-                prompt_ids=state.token_ids[: state.num_prompt_tokens],
-                output_ids=state.output_ids,
-                rng=state.rng,
-                allowed_mask=grammar.get(req_id),
-            ))
+            num_outputs = len(state.token_ids) - state.num_prompt_tokens
+            row = SampleRow(params=state.sampling, num_outputs=num_outputs,
+                            draw=draw_key(state.sampling, num_outputs, state.rng), allowed_mask=grammar.get(req_id))
+            if needs_history(state.sampling):
+                row.prompt_ids = tuple(state.token_ids[: state.num_prompt_tokens])
+                row.output_ids = tuple(state.output_ids)
+            rows.append(row)
         return rows
 
     def _forward(self, batch: StepBatch, hidden_in: mx.array | None) -> mx.array:
@@ -187,4 +219,5 @@ def to_response(out: StageOutput) -> pb.StepResponse:
             token.top.token_ids.extend(s.top_ids)
             token.top.logprobs.extend(s.top_logprobs)
         response.sampled.append(token)
+    response.prompt_logprobs.extend(out.prompt_logprobs)
     return response

@@ -45,9 +45,34 @@ def test_stages_match_mlx_lm(tiny_model, stages, tmp_path):
         longer = prompts[4] + prompts[1]
         assert greedy(client, longer, 8) == mlx_lm_greedy(ref_model, longer, 8)
         assert greedy(client, prompts[4], 10) == expected[4]
+        if stages == 2:
+            _check_sampling_across_stages(client, ref_model, prompts[1] + prompts[4])
         with open(tmp_path / "server.log") as log:
             text = log.read()
         assert f"{stages} local stage workers up" in text
+
+
+def _check_sampling_across_stages(client, ref_model, ids):
+    """The last stage samples with the request's parameters and scores its prompt chunk by chunk
+    (--max-num-batched-tokens 32): prompt logprobs equal mlx-lm's log-softmax, a logit bias forces
+    its token."""
+    import mlx.core as mx
+    import numpy as np
+
+    assert len(ids) > 32
+    logits = ref_model(mx.array(ids)[None])[0].astype(mx.float32)
+    expected = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+    r = client.completions.create(model="m", prompt=ids, max_tokens=4, temperature=0, logit_bias={"9": 100},
+                                  extra_body={"prompt_logprobs": 1, "ignore_eos": True, "return_token_ids": True})
+    assert r.choices[0].token_ids == [9] * 4
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(got) == len(ids) and got[0] is None
+    for pos in range(1, len(ids)):
+        entry = {int(t): v["logprob"] for t, v in got[pos].items()}
+        best = int(np.argmax(expected[pos - 1]))
+        # float32: 1e-4, relative for unlikely tokens (whose logprobs reach -20 and beyond)
+        assert abs(entry[ids[pos]] - expected[pos - 1, ids[pos]]) < 1e-4 * max(1, -expected[pos - 1, ids[pos]]), pos
+        assert abs(entry[best] - expected[pos - 1, best]) < 1e-4, pos
 
 
 def test_eight_streams_over_three_stages_smollm2(tmp_path):

@@ -6,8 +6,8 @@ With N stages vLLM runs N steps at once (its pipeline-parallel batch queue), eac
 requests, so stage k works on step n while stage k+1 works on step n-1.
 
 When a step fails or a stage stops answering heartbeats, the steps in flight are answered at once
-with a `StageLossOutput` (their requests end with a clear error) and a re-plan runs in the
-background (replan.py) while the scheduler holds everything that has not started.
+with a `StageLossOutput`: the scheduler takes their requests back and holds them (cluster_scheduler.py)
+while a re-plan runs in the background (replan.py); on the new plan they resume where they stopped.
 """
 
 import json
@@ -28,8 +28,9 @@ from metal_cluster.coordinator.cluster_control import CONTROL_KEY, ClusterContro
 from metal_cluster.coordinator.cluster_scheduler import loss_output
 from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV
 from metal_cluster.coordinator.executor_env import (
-    DEFAULT_STAGE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, LAYERS_ENV, LOCAL_STAGES_ENV, MANIFEST_ENV, MODEL_STORE_ENV,
-    NO_OVERLAP_ENV, STAGE_TIMEOUT_ENV, STAGES_ENV, STEP_TIMEOUT_ENV,
+    DEFAULT_RESUME_TIMEOUT_S, DEFAULT_STAGE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, LAYERS_ENV, LOCAL_STAGES_ENV,
+    MANIFEST_ENV, MODEL_STORE_ENV, NO_OVERLAP_ENV, RESUME_TIMEOUT_ENV, STAGE_TIMEOUT_ENV, STAGES_ENV,
+    STEP_TIMEOUT_ENV,
 )
 from metal_cluster.coordinator.monitor import Monitor
 from metal_cluster.coordinator.stages import LazyFuture, LocalStage, Pipeline, RemoteStage, even_split, wire_dtype
@@ -99,7 +100,8 @@ class ClusterExecutor(Executor):
         self.pending = None
         self.overlap = os.environ.get(NO_OVERLAP_ENV) != "1"
         # The scheduler finds this in the config both are built from (see cluster_control.py).
-        self.control = ClusterControl()
+        self.control = ClusterControl(
+            resume_timeout_s=float(os.environ.get(RESUME_TIMEOUT_ENV, DEFAULT_RESUME_TIMEOUT_S)))
         if isinstance(self.vllm_config.additional_config, dict):
             self.vllm_config.additional_config[CONTROL_KEY] = self.control
         self.monitor = None
@@ -198,6 +200,7 @@ class ClusterExecutor(Executor):
             # Nothing to run, but the stages must still forget finished requests.
             with self.lock:
                 if self.control.state != "serving":
+                    self.translator.forget(so.finished_req_ids)
                     return EMPTY_MODEL_RUNNER_OUTPUT  # the next plan's stages never knew them
                 step = self.translator.to_step(so)
                 pipeline, generation = self.pipeline, self.control.generation
@@ -215,6 +218,7 @@ class ClusterExecutor(Executor):
         out = LazyFuture()
         with self.lock:
             if self.control.state != "serving":
+                self.translator.forget(so.finished_req_ids)
                 out.set_result(loss_output(so, self._failure(), self.control.outage_id))
                 return out
             step = self.translator.to_step(so, grammar_output)
@@ -291,7 +295,8 @@ class ClusterExecutor(Executor):
             if outage_id is None:
                 return False
             answered, self.inflight = self.inflight, {}
-        log.warning("cluster: %s; ending %d step(s) in flight and re-planning", reason, len(answered))
+        log.warning("cluster: %s; holding the running requests (%d step(s) in flight) and re-planning", reason,
+                    len(answered))
         failure = self._failure()
         for out, so in answered.items():
             out.set_result(loss_output(so, failure, outage_id))
@@ -331,7 +336,8 @@ class ClusterExecutor(Executor):
         with self.lock:
             self.pipeline, self.ranges, self.assigned = plan.pipeline, plan.ranges, plan.assigned
             self.addresses = [s.name for s in plan.pipeline.stages]
-            self.translator = StepTranslator(len(plan.pipeline) == 1)  # the new stages know no request yet
+            # The new stages know no request yet; the ones held through the outage go to them as new.
+            self.translator = self.translator.next_plan(len(plan.pipeline) == 1)
         probe, restart, load = (b - a for a, b in zip(clock, clock[1:]))
         stages = ", ".join(f"{s.name} [{a}, {b})" for s, (a, b) in zip(plan.pipeline.stages, plan.ranges))
         message = (f"re-planned in {clock[-1] - clock[0]:.1f}s: {len(plan.ranges)} stage(s) {stages}; "

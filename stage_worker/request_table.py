@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from metal_cluster.proto import pb
+from metal_cluster.stage_worker.sampler import GREEDY_EPS
 
 
 # A history entry whose token was sampled by this stage but is still on the device (see runner.py).
@@ -36,6 +37,17 @@ class RequestState:
         return self.token_ids[self.num_prompt_tokens :]
 
 
+def _rng(new: pb.NewRequest) -> np.random.Generator:
+    """A seeded request draws the same tokens wherever and whenever it runs. One resumed on a new
+    plan replays the draws of the tokens it had produced: a sampled token costs one uniform draw
+    (sampler._draw), a greedy one none."""
+    sampling = new.sampling
+    rng = np.random.default_rng(sampling.seed if sampling.HasField("seed") else None)
+    if sampling.HasField("seed") and sampling.temperature >= GREEDY_EPS and new.output_token_ids:
+        rng.random(len(new.output_token_ids))
+    return rng
+
+
 class RequestTable:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
@@ -58,13 +70,12 @@ class RequestTable:
         for new in step.new_requests:
             self.requests[new.req_id] = RequestState(
                 req_id=new.req_id,
-                token_ids=list(new.prompt_token_ids),
+                token_ids=[*new.prompt_token_ids, *new.output_token_ids],
                 num_prompt_tokens=len(new.prompt_token_ids),
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=new.sampling,
-                # A seeded request draws the same tokens wherever and whenever it runs.
-                rng=np.random.default_rng(new.sampling.seed if new.sampling.HasField("seed") else None),
+                rng=_rng(new),
             )
         for cached in step.cached_requests:
             self._update(cached)

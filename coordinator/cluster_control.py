@@ -120,5 +120,9 @@ class ClusterControl:
                 "events": [{"time": e.time, "message": e.message} for e in self.events],
             }
 
+    def note(self, message: str) -> None:
+        with self.changed:
+            self._note(message)
+
     def _note(self, message: str) -> None:
         self.events = (self.events + [Event(time.time(), message)])[-MAX_EVENTS:]

@@ -58,6 +58,8 @@ class ClusterScheduler(Scheduler):
             if view.state == "healing":
                 self._hold(view.outage_id)
                 self._end_overdue()
+                if self.held.keys() - self.requests.keys():
+                    self._note_held()  # aborted by their clients meanwhile: no longer held
                 return self._schedule_nothing(*args, **kwargs)
             if view.generation != self.generation:
                 self._adopt_plan(view)

@@ -33,7 +33,9 @@ from metal_cluster.coordinator.executor_env import (
     STEP_TIMEOUT_ENV,
 )
 from metal_cluster.coordinator.monitor import Monitor
-from metal_cluster.coordinator.stages import LazyFuture, LocalStage, Pipeline, RemoteStage, even_split, wire_dtype
+from metal_cluster.coordinator.stages import (
+    LazyFuture, LocalStage, Pipeline, RemoteStage, StageCallError, even_split, wire_dtype,
+)
 from metal_cluster.coordinator.step_translation import StepTranslator, to_runner_output
 from metal_cluster.stage_worker.families import family_of
 from metal_cluster.stage_worker.memory import KVBudget, MemoryBudgetError
@@ -42,6 +44,7 @@ from metal_cluster.stage_worker.memory import KVBudget, MemoryBudgetError
 log = logging.getLogger("vllm.metal_cluster.executor")
 
 RING_TIMEOUT_S = 60
+FENCE_WATCH_S = 600  # how long a lost stage is watched for, to fence it if it answers again
 LOCAL = "local"  # the address of the in-process stage of a single-machine server
 
 
@@ -105,6 +108,7 @@ class ClusterExecutor(Executor):
         if isinstance(self.vllm_config.additional_config, dict):
             self.vllm_config.additional_config[CONTROL_KEY] = self.control
         self.monitor = None
+        self.closed = threading.Event()
 
     @property
     def model_name(self) -> str:
@@ -310,6 +314,7 @@ class ClusterExecutor(Executor):
         alive, lost = replan.answering(candidates, timeout_s=min(2.0, self.stage_timeout_s))
         for why in lost:
             log.warning("cluster: left out of the new plan: %s", why)
+        silent = [s for s in candidates if s not in alive]
         self.control.note_lost(lost)
         self.pipeline.close()  # ends steps still waiting on the old stages
         clock.append(time.monotonic())
@@ -322,6 +327,29 @@ class ClusterExecutor(Executor):
             return
         clock.append(time.monotonic())
         self._adopt(plan, clock)
+        if silent:
+            threading.Thread(target=self._fence, args=(silent, self.control.generation), name="fence",
+                             daemon=True).start()
+
+    def _fence(self, stages: list, generation: int) -> None:
+        """A stage left out of a plan because it stopped answering may only be frozen (SIGSTOP, a host
+        cut off for a while). Once it answers again it is told to reset: it frees its memory and the
+        old ring's sockets, and never runs a step of a plan that is gone."""
+        deadline = time.monotonic() + FENCE_WATCH_S
+        while stages and time.monotonic() < deadline and not self.closed.wait(1.0):
+            for stage in list(stages):
+                try:
+                    if stage.health(timeout=1).state != "idle":
+                        stage.reset(f"fenced: the cluster replaced this stage's plan (now plan {generation}) "
+                                    "while it did not answer")
+                        self.control.note(f"stage {stage.name} answered again after it was lost: told to reset "
+                                          f"(fenced out of plan {generation})")
+                        log.info("cluster: stage %s answers again; told to reset (fenced out of plan %d)",
+                                 stage.name, generation)
+                except StageCallError:
+                    continue
+                stages.remove(stage)
+                stage.close()
 
     def _give_up(self, stages: list, error: replan.ReplanError) -> None:
         """Serve 503s that say why, with the idle stages kept for a `rebalance`."""
@@ -372,6 +400,7 @@ class ClusterExecutor(Executor):
         pass
 
     def shutdown(self) -> None:
+        self.closed.set()
         if getattr(self, "monitor", None):
             self.monitor.close()
         self.pipeline.close()

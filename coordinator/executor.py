@@ -339,15 +339,17 @@ class ClusterExecutor(Executor):
         while stages and time.monotonic() < deadline and not self.closed.wait(1.0):
             for stage in list(stages):
                 try:
-                    if stage.health(timeout=1).state != "idle":
+                    state = stage.health(timeout=1).state
+                    if state != "idle":  # it may have reset itself already (its coordinator went quiet)
                         stage.reset(f"fenced: the cluster replaced this stage's plan (now plan {generation}) "
                                     "while it did not answer")
-                        self.control.note(f"stage {stage.name} answered again after it was lost: told to reset "
-                                          f"(fenced out of plan {generation})")
-                        log.info("cluster: stage %s answers again; told to reset (fenced out of plan %d)",
-                                 stage.name, generation)
                 except StageCallError:
                     continue
+                what = "told to reset" if state != "idle" else "idle"
+                message = (f"stage {stage.name} answers again after it was lost: {what}, fenced out of plan "
+                           f"{generation} (`metal-cluster rebalance` takes it back)")
+                self.control.note(message)
+                log.info("cluster: %s", message)
                 stages.remove(stage)
                 stage.close()
 

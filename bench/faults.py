@@ -37,6 +37,7 @@ from server_process import running_server  # noqa: E402
 from metal_cluster.coordinator import cluster_state  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
+TOKENS = 200  # per stream: still running when the stage is hit, short enough to finish after the pause
 ARGS = ["--max-model-len", "1024", "--max-num-batched-tokens", "256", "--max-num-seqs", "16", "-pp", "3"]
 
 
@@ -50,7 +51,7 @@ def stream(client, i, first):
     """(arrival time of every chunk, whether the stream ended whole)."""
     times = []
     try:
-        for chunk in client.completions.create(model=MODEL, prompt=f"Story {i}: once upon a time", max_tokens=600,
+        for chunk in client.completions.create(model=MODEL, prompt=f"Story {i}: once upon a time", max_tokens=TOKENS,
                                                temperature=0, stream=True, extra_body={"ignore_eos": True}):
             times.append(time.time())
             first.set()

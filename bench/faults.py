@@ -89,6 +89,7 @@ def one_fault(fault: str, stage_timeout: float, work: Path) -> dict:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--log-dir", help="keep the servers' logs here (default: a temporary folder)")
     parser.add_argument("--cases", default="SIGKILL:15,SIGSTOP:3,SIGSTOP:15", help="fault:stage-timeout,...")
     args = parser.parse_args()
     cases = [(c.split(":")[0], float(c.split(":")[1])) for c in args.cases.split(",")]
@@ -98,6 +99,9 @@ def main():
           "| streams whole |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
+        if args.log_dir:
+            tmp = args.log_dir
+            Path(tmp).mkdir(parents=True, exist_ok=True)
         for fault, timeout in cases:
             runs = [one_fault(fault, timeout, Path(tmp)) for _ in range(args.repeat)]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}

@@ -55,8 +55,11 @@ def stream(client, i, first):
                                                temperature=0, stream=True, extra_body={"ignore_eos": True}):
             times.append(time.time())
             first.set()
+        if chunk.choices[0].finish_reason != "length":
+            print(f"  stream {i}: ended with finish_reason {chunk.choices[0].finish_reason!r}", file=sys.stderr)
         return times, chunk.choices[0].finish_reason == "length"
-    except openai.APIError:
+    except openai.APIError as e:
+        print(f"  stream {i}: {e}", file=sys.stderr, flush=True)
         return times, False
 
 

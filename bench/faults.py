@@ -4,9 +4,11 @@ For each fault (SIGKILL of a stage process; SIGSTOP of one, with a 3 s and the d
 timeout) the script keeps 8 streams running, hits the middle stage, and measures from the signal:
 
   detect    until the coordinator marks the outage (its first cluster event)
-  errors    until the last in-flight stream has ended (all of them end with an error or their answer)
-  recover   until the re-plan is in place (the "re-planned" event)
+  recover   until the re-plan is in place (the "re-planned" event): serving again
+  resumed   until the first token of a paused stream arrives from the new plan
   answer    until a request sent right after the fault is answered by the new plan
+
+and counts the streams that ended whole (all 8 should: a lost stage is a pause).
 
   .venv/bin/python bench/faults.py [--repeat 2]
 """
@@ -35,6 +37,7 @@ from server_process import running_server  # noqa: E402
 from metal_cluster.coordinator import cluster_state  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
+TOKENS = 200  # per stream: still running when the stage is hit, short enough to finish after the pause
 ARGS = ["--max-model-len", "1024", "--max-num-batched-tokens", "256", "--max-num-seqs", "16", "-pp", "3"]
 
 
@@ -45,13 +48,19 @@ def status(url):
 
 
 def stream(client, i, first):
+    """(arrival time of every chunk, whether the stream ended whole)."""
+    times = []
     try:
-        for chunk in client.completions.create(model=MODEL, prompt=f"Story {i}: once upon a time", max_tokens=600,
+        for chunk in client.completions.create(model=MODEL, prompt=f"Story {i}: once upon a time", max_tokens=TOKENS,
                                                temperature=0, stream=True, extra_body={"ignore_eos": True}):
+            times.append(time.time())
             first.set()
-    except openai.APIError:
-        pass
-    return time.time()
+        if chunk.choices[0].finish_reason != "length":
+            print(f"  stream {i}: ended with finish_reason {chunk.choices[0].finish_reason!r}", file=sys.stderr)
+        return times, chunk.choices[0].finish_reason == "length"
+    except openai.APIError as e:
+        print(f"  stream {i}: {e}", file=sys.stderr, flush=True)
+        return times, False
 
 
 def one_fault(fault: str, stage_timeout: float, work: Path) -> dict:
@@ -66,34 +75,42 @@ def one_fault(fault: str, stage_timeout: float, work: Path) -> dict:
             time.sleep(1.0)
             hit = time.time()
             os.kill(victim, getattr(signal, fault))
-            ended = max(f.result() for f in streams)
             client.completions.create(model=MODEL, prompt="After the fault", max_tokens=4, temperature=0)
             answered = time.time()
+            results = [f.result() for f in streams]
         if fault == "SIGSTOP":
             os.kill(victim, signal.SIGKILL)
         events = status(url)["events"]
     outage = next(e["time"] for e in events if e["time"] >= hit)
     replanned = next(e for e in events if "re-planned" in e["message"])
+    resumed = min(t for times, _ in results for t in times if t > replanned["time"])
     print(f"  {fault}: {replanned['message']}", file=sys.stderr, flush=True)
-    return {"detect": outage - hit, "errors": ended - hit, "recover": replanned["time"] - hit,
-            "answer": answered - hit}
+    return {"detect": outage - hit, "recover": replanned["time"] - hit, "resumed": resumed - hit,
+            "answer": answered - hit, "whole": sum(whole for _, whole in results)}
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--log-dir", help="keep the servers' logs here (default: a temporary folder)")
+    parser.add_argument("--cases", default="SIGKILL:15,SIGSTOP:3,SIGSTOP:15", help="fault:stage-timeout,...")
     args = parser.parse_args()
-    cases = [("SIGKILL", 15.0), ("SIGSTOP", 3.0), ("SIGSTOP", 15.0)]
+    cases = [(c.split(":")[0], float(c.split(":")[1])) for c in args.cases.split(",")]
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}; "
           f"{time.strftime('%Y-%m-%d')}; 3 local stages, {MODEL}, 8 streams")
-    print("| fault | stage timeout | detect (s) | all streams ended (s) | re-planned (s) | first answer (s) |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| fault | stage timeout | detect (s) | serving again (s) | first resumed token (s) | first answer (s) "
+          "| streams whole |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory() as tmp:
+        if args.log_dir:
+            tmp = args.log_dir
+            Path(tmp).mkdir(parents=True, exist_ok=True)
         for fault, timeout in cases:
             runs = [one_fault(fault, timeout, Path(tmp)) for _ in range(args.repeat)]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            print(f"| {fault} | {timeout:.0f} s | {med['detect']:.2f} | {med['errors']:.2f} | {med['recover']:.2f} "
-                  f"| {med['answer']:.2f} |", flush=True)
+            whole = "/".join(str(r["whole"]) for r in runs)
+            print(f"| {fault} | {timeout:.0f} s | {med['detect']:.2f} | {med['recover']:.2f} | {med['resumed']:.2f} "
+                  f"| {med['answer']:.2f} | {whole} of 8 |", flush=True)
 
 
 if __name__ == "__main__":

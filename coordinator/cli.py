@@ -65,6 +65,12 @@ def _stage_timeout_option():
         15.0, min=1, help="Seconds a stage may miss heartbeats before it counts as lost and the cluster re-plans.")
 
 
+def _resume_timeout_option():
+    return typer.Option(
+        120.0, min=0, help="Seconds a request running when a stage is lost waits for the new plan (then it "
+                           "resumes where it stopped) before it ends with a retryable error.")
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def serve(
     ctx: typer.Context,
@@ -78,6 +84,7 @@ def serve(
         1, "--pipeline-parallel-size", "-pp", min=1, help="Split the layers over this many local stage-worker processes."
     ),
     stage_timeout: float = _stage_timeout_option(),
+    resume_timeout: float = _resume_timeout_option(),
     max_request_body_bytes: int = _max_body_option(),
     max_waiting_requests: int = _max_waiting_option(),
 ):
@@ -88,7 +95,7 @@ def serve(
     source = _resolve(model)
     extra = _backend_defaults(extra)
     workers = pipeline_parallel_size if pipeline_parallel_size > 1 else 0
-    _set_stage_timeout(stage_timeout)
+    _set_stage_timeout(stage_timeout, resume_timeout)
     _set_admission(max_request_body_bytes, max_waiting_requests)
     typer.echo(f"metal-cluster: serving {_served_name(source)} on one machine", err=True)
     _run_server(source, host, port, gpu_memory_utilization, extra, local_stages=workers)
@@ -110,6 +117,7 @@ def up(
     local_worker: bool = typer.Option(True, help="Run a stage on this host too."),
     cluster_token: str = typer.Option(None, help="Shared secret (else $METAL_CLUSTER_TOKEN, else the token file)."),
     stage_timeout: float = _stage_timeout_option(),
+    resume_timeout: float = _resume_timeout_option(),
     max_request_body_bytes: int = _max_body_option(),
     max_waiting_requests: int = _max_waiting_option(),
 ):
@@ -130,7 +138,7 @@ def up(
         fail(f"no cluster token: run `metal-cluster token` and copy the file to every host, "
              f"or pass --cluster-token / set {TOKEN_ENV}")
     os.environ[TOKEN_ENV] = token  # for the executor and the local worker
-    _set_stage_timeout(stage_timeout)
+    _set_stage_timeout(stage_timeout, resume_timeout)
     _set_admission(max_request_body_bytes, max_waiting_requests)
     console = Console(stderr=True, soft_wrap=True)  # one line per event, whatever the width
     try:
@@ -191,12 +199,13 @@ def _mlx_on_cpu() -> bool:
     return not any(n.startswith("mlx-cuda") or n.startswith("mlx_cuda") for n in names)
 
 
-def _set_stage_timeout(seconds: float) -> None:
+def _set_stage_timeout(seconds: float, resume_s: float) -> None:
     import os
 
-    from metal_cluster.coordinator.executor_env import STAGE_TIMEOUT_ENV
+    from metal_cluster.coordinator.executor_env import RESUME_TIMEOUT_ENV, STAGE_TIMEOUT_ENV
 
     os.environ[STAGE_TIMEOUT_ENV] = str(seconds)  # read by the executor, in vLLM's engine process
+    os.environ[RESUME_TIMEOUT_ENV] = str(resume_s)
 
 
 def _host_memory() -> int:

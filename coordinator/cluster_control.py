@@ -21,6 +21,7 @@ class PlanView:
     generation: int  # +1 per plan: the scheduler resets its prefix cache when this changes
     state: str  # serving | healing | unavailable
     capacity_blocks: int | None  # KV blocks the stages hold now; None: all of vLLM's
+    outage_id: int = 0
 
 
 @dataclass
@@ -38,6 +39,12 @@ class ClusterControl:
     outage_id: int = 0  # the outage now (or last) being healed
     stage_losses: int = 0
     replans: int = 0
+    # Requests running when a stage was lost: held for the next plan (for up to resume_timeout_s),
+    # then resumed on it or, when it cannot take them, ended with a retryable error.
+    resume_timeout_s: float = 120.0
+    requests_held: int = 0  # now
+    requests_resumed: int = 0
+    requests_lost: int = 0
     events: list[Event] = field(default_factory=list)
     changed: threading.Condition = field(default_factory=threading.Condition)
     # A re-plan the operator asked for lets running requests finish first: the scheduler starts no
@@ -90,19 +97,32 @@ class ClusterControl:
             self._note(message)
             self.changed.notify_all()
 
-    def wait_settled(self) -> PlanView:
-        """Blocks while the cluster heals. Healing ends by itself: every wait in it is bounded."""
+    def wait_settled(self, timeout: float | None = None) -> PlanView:
+        """Blocks while the cluster heals, for at most `timeout` seconds (None: until it ends; healing
+        ends by itself, every wait in it is bounded). The view's state says which came first."""
         with self.changed:
-            self.changed.wait_for(lambda: self.state != "healing")
-            return PlanView(self.generation, self.state, self.capacity_blocks)
+            self.changed.wait_for(lambda: self.state != "healing", timeout)
+            return PlanView(self.generation, self.state, self.capacity_blocks, self.outage_id)
+
+    def note_requests(self, held: int, resumed: int = 0, lost: int = 0) -> None:
+        """The scheduler's count of requests held through an outage, and of how they came out of it."""
+        with self.changed:
+            self.requests_held = held
+            self.requests_resumed += resumed
+            self.requests_lost += lost
 
     def summary(self) -> dict:
         with self.changed:
             return {
                 "state": self.state, "reason": self.reason, "replans": self.replans,
-                "stage_losses": self.stage_losses,
+                "stage_losses": self.stage_losses, "requests_held": self.requests_held,
+                "requests_resumed": self.requests_resumed, "requests_lost": self.requests_lost,
                 "events": [{"time": e.time, "message": e.message} for e in self.events],
             }
+
+    def note(self, message: str) -> None:
+        with self.changed:
+            self._note(message)
 
     def _note(self, message: str) -> None:
         self.events = (self.events + [Event(time.time(), message)])[-MAX_EVENTS:]

@@ -1,24 +1,29 @@
 """vLLM's scheduler, aware that the stages under it can be lost and re-planned.
 
-- A step that comes back as a `StageLossOutput` ends its requests with the error it carries, and, the
-  first time an outage is seen, every running request too: their KV lived on the old stages.
-- While the cluster heals, `schedule` waits: requests that have not started are held, not dropped.
-- On a new plan the prefix cache is emptied (the new stages hold no KV) and, if the new stages hold
-  fewer blocks than vLLM counts, the block ids above their capacity are kept out of use.
+- A lost stage is a pause: the requests that were running are taken back as vLLM preempts them
+  (blocks freed, computed tokens reset, prompt and output kept) and held. Output of the old plan
+  still in flight is dropped (vLLM's stale-output drain), so no token is delivered twice.
+- While the cluster heals, `schedule` schedules nothing but keeps returning (every HOLD_POLL_S), so
+  that the engine still takes aborts: a client that goes away frees its hold at once.
+- On a new plan the prefix cache is emptied (the new stages hold no KV), the block ids above the new
+  stages' capacity are kept out of use, and the held requests go first (they are at the front of
+  the waiting queue), recomputing their context where they stopped. A request the new plan cannot
+  hold, or one held past the resume timeout, ends with a retryable error; so do all of them when
+  no plan can serve.
 """
 
-from dataclasses import dataclass
-
 import time
+from dataclasses import dataclass
 
 from vllm.outputs import RequestError
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import RequestStatus
 
 from metal_cluster.coordinator.cluster_control import CONTROL_KEY
+
+HOLD_POLL_S = 0.05
 
 
 @dataclass
@@ -41,25 +46,28 @@ class ClusterScheduler(Scheduler):
         config = self.vllm_config.additional_config
         self.control = config.get(CONTROL_KEY) if isinstance(config, dict) else None
         self.generation = self.control.generation if self.control else 0
-        self.last_outage = 0  # outage ids only grow
+        self.last_outage = 0  # outage ids only grow; each one takes the running requests back once
         self.fenced = []  # blocks above the current plan's capacity
-        self.deferred_since = None
+        self.held: dict[str, float] = {}  # request id -> when the outage took it back
         self.paused_for_drain = False
 
     def schedule(self, *args, **kwargs):
         if self.control is not None:
             self._follow_drain()
-            view = self.control.wait_settled()
+            view = self.control.wait_settled(HOLD_POLL_S)
+            if view.state == "healing":
+                self._hold(view.outage_id)
+                self._end_overdue()
+                if self.held.keys() - self.requests.keys():
+                    self._note_held()  # aborted by their clients meanwhile: no longer held
+                return self._schedule_nothing(*args, **kwargs)
             if view.generation != self.generation:
-                if self.running and not self._deferred_too_long():
-                    # Steps of the old plan are still to come back; they end these requests.
-                    return self._schedule_nothing(*args, **kwargs)
                 self._adopt_plan(view)
+                if self.grammar_compile_error_reqs:
+                    # Requests the new plan cannot take: ended by the output of this empty step,
+                    # before any of them is scheduled on it.
+                    return self._schedule_nothing(*args, **kwargs)
         return super().schedule(*args, **kwargs)
-
-    def _deferred_too_long(self) -> bool:
-        self.deferred_since = self.deferred_since or time.monotonic()
-        return time.monotonic() - self.deferred_since > 10
 
     def _schedule_nothing(self, *args, **kwargs):
         paused, self._pause_state = self._pause_state, PauseState.PAUSED_ALL
@@ -71,21 +79,74 @@ class ClusterScheduler(Scheduler):
     def update_from_output(self, scheduler_output, model_runner_output):
         failure = getattr(model_runner_output, "failure", None)
         if failure is not None:
-            ended = set(scheduler_output.num_scheduled_tokens)
-            if model_runner_output.outage_id > self.last_outage:
-                self.last_outage = model_runner_output.outage_id
-                # Everything that has started holds KV on the lost stages: running, or preempted.
-                ended |= {r.request_id for r in self.running}
-                ended |= {r.request_id for r in self.waiting if r.status == RequestStatus.PREEMPTED}
-            for req_id in ended:
-                request = self.requests.get(req_id)
-                if request is not None and not request.is_finished():
-                    # vLLM ends these with FINISHED_ERROR and hands the error to the API server.
-                    self.grammar_compile_error_reqs[req_id] = failure
+            if failure.code == "stage_lost":
+                # Held, not ended; this step's own output is stale now, and vLLM drops it.
+                self._hold(model_runner_output.outage_id)
+            else:  # no plan can serve: the requests this step carried end with the reason
+                self._end(set(scheduler_output.num_scheduled_tokens), failure)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self.control is not None and self.control.draining and not self.running:
             self.control.drained.set()
         return outputs
+
+    # --- an outage: hold, resume or end ----------------------------------------------------------
+    def _hold(self, outage_id: int) -> None:
+        """Take back every running request of the plan that was lost, as vLLM preempts one."""
+        if outage_id <= self.last_outage:
+            return
+        self.last_outage = outage_id
+        now = time.monotonic()
+        while self.running:
+            request = self.running.pop()  # from the back: the waiting queue gets them in their order
+            self._preempt_request(request, now, drop_stale_output=True)
+            self.held[request.request_id] = now
+        # Resumed requests must carry their whole history (all_token_ids) to the new stages.
+        self.prev_step_scheduled_req_ids.clear()
+        self._note_held()
+
+    def _end_overdue(self) -> None:
+        limit = self.control.resume_timeout_s
+        now = time.monotonic()
+        overdue = {r for r, since in self.held.items() if now - since > limit}
+        if overdue:
+            self._end(overdue, RequestError(
+                code="stage_lost", retryable=True,
+                message=f"this request was running when the cluster lost a stage and waited {limit:.0f}s "
+                        f"(--resume-timeout) for the new plan: retry the request ({self.control.reason})"))
+
+    def _end(self, req_ids: set[str], error: RequestError) -> None:
+        lost = 0
+        for req_id in req_ids:
+            request = self.requests.get(req_id)
+            if request is not None and not request.is_finished() and req_id not in self.grammar_compile_error_reqs:
+                # vLLM ends these with FINISHED_ERROR in update_from_output and hands the API server the error.
+                self.grammar_compile_error_reqs[req_id] = error
+                lost += req_id in self.held
+            self.held.pop(req_id, None)
+        self._note_held(lost=lost)
+
+    def _note_held(self, resumed: int = 0, lost: int = 0) -> None:
+        self.held = {r: t for r, t in self.held.items() if r in self.requests}  # aborted meanwhile: gone
+        if self.control is not None:
+            self.control.note_requests(len(self.held), resumed, lost)
+
+    def _unfit(self, capacity_blocks: int | None) -> dict[str, RequestError]:
+        """Unfinished requests whose whole length (prompt + max tokens) the new stages cannot hold."""
+        if capacity_blocks is None:
+            return {}
+        usable = capacity_blocks - 1  # block 0 is vLLM's null block
+        out = {}
+        for request in self.requests.values():
+            if request.is_finished():
+                continue
+            need = -(-(request.num_prompt_tokens + request.max_tokens) // self.block_size)
+            if need > usable:
+                out[request.request_id] = RequestError(
+                    code="stage_lost", retryable=True,
+                    message=f"the cluster lost a stage and its new plan holds {usable} KV blocks of "
+                            f"{self.block_size} tokens; this request needs {need}: retry it with fewer "
+                            "tokens (max_tokens), or once the cluster has its hosts back")
+        return out
 
     def _follow_drain(self) -> None:
         """While draining, only running requests go on (vLLM's PAUSED_NEW); once none runs, wait
@@ -114,7 +175,7 @@ class ClusterScheduler(Scheduler):
         pool = self.kv_cache_manager.block_pool
         pool.free_blocks(self.fenced)
         self.fenced = []
-        # Whatever still runs (it should have ended with the outage) starts over on the new stages.
+        # Whatever still runs (a rebalance's drain leaves nothing) starts over on the new stages.
         self.reset_prefix_cache(reset_running_requests=True)
         if view.capacity_blocks is not None and view.capacity_blocks < pool.num_gpu_blocks:
             self.fenced = pool.blocks[view.capacity_blocks:]
@@ -122,7 +183,13 @@ class ClusterScheduler(Scheduler):
                 pool.free_block_queue.remove(block)
                 block.ref_cnt += 1
         self.generation = view.generation
-        self.deferred_since = None
+        self.last_outage = max(self.last_outage, view.outage_id)  # late outputs of that outage change nothing
+        unfit = self._unfit(view.capacity_blocks)
+        for req_id, error in unfit.items():
+            self._end({req_id}, error)
+        resumed = len(self.held)
+        self.held = {}
+        self._note_held(resumed=resumed)
 
 
 class AsyncClusterScheduler(ClusterScheduler, AsyncScheduler):

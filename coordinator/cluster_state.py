@@ -55,6 +55,9 @@ class ClusterSnapshot:
     reason: str = ""  # why it is not serving
     replans: int = 0
     stage_losses: int = 0
+    requests_held: int = 0  # running when a stage was lost, waiting for the new plan now
+    requests_resumed: int = 0  # held, then resumed on a new plan where they stopped
+    requests_lost: int = 0  # held, then ended with a retryable error (no room, or waited too long)
     events: list[dict] = field(default_factory=list)  # {"time", "message"}, oldest first
     updated: float = field(default_factory=time.time)
 

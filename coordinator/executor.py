@@ -6,8 +6,8 @@ With N stages vLLM runs N steps at once (its pipeline-parallel batch queue), eac
 requests, so stage k works on step n while stage k+1 works on step n-1.
 
 When a step fails or a stage stops answering heartbeats, the steps in flight are answered at once
-with a `StageLossOutput` (their requests end with a clear error) and a re-plan runs in the
-background (replan.py) while the scheduler holds everything that has not started.
+with a `StageLossOutput`: the scheduler takes their requests back and holds them (cluster_scheduler.py)
+while a re-plan runs in the background (replan.py); on the new plan they resume where they stopped.
 """
 
 import json
@@ -28,11 +28,14 @@ from metal_cluster.coordinator.cluster_control import CONTROL_KEY, ClusterContro
 from metal_cluster.coordinator.cluster_scheduler import loss_output
 from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV
 from metal_cluster.coordinator.executor_env import (
-    DEFAULT_STAGE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, LAYERS_ENV, LOCAL_STAGES_ENV, MANIFEST_ENV, MODEL_STORE_ENV,
-    NO_OVERLAP_ENV, STAGE_TIMEOUT_ENV, STAGES_ENV, STEP_TIMEOUT_ENV,
+    DEFAULT_RESUME_TIMEOUT_S, DEFAULT_STAGE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, LAYERS_ENV, LOCAL_STAGES_ENV,
+    MANIFEST_ENV, MODEL_STORE_ENV, NO_OVERLAP_ENV, RESUME_TIMEOUT_ENV, STAGE_TIMEOUT_ENV, STAGES_ENV,
+    STEP_TIMEOUT_ENV,
 )
 from metal_cluster.coordinator.monitor import Monitor
-from metal_cluster.coordinator.stages import LazyFuture, LocalStage, Pipeline, RemoteStage, even_split, wire_dtype
+from metal_cluster.coordinator.stages import (
+    LazyFuture, LocalStage, Pipeline, RemoteStage, StageCallError, even_split, wire_dtype,
+)
 from metal_cluster.coordinator.step_translation import StepTranslator, to_runner_output
 from metal_cluster.stage_worker.dtypes import from_name
 from metal_cluster.stage_worker.families import family_of
@@ -46,6 +49,7 @@ log = logging.getLogger("vllm.metal_cluster.executor")
 RING_TIMEOUT_S = 60
 # vLLM's name for the layout a stage's pool has: a layer's blocks after another's (`paged_kv.py`).
 KV_LAYOUTS = ["LBNHC"]
+FENCE_WATCH_S = 600  # how long a lost stage is watched for, to fence it if it answers again
 LOCAL = "local"  # the address of the in-process stage of a single-machine server
 
 
@@ -131,10 +135,12 @@ class ClusterExecutor(Executor):
         self.pending = None
         self.overlap = os.environ.get(NO_OVERLAP_ENV) != "1"
         # The scheduler finds this in the config both are built from (see cluster_control.py).
-        self.control = ClusterControl()
+        self.control = ClusterControl(
+            resume_timeout_s=float(os.environ.get(RESUME_TIMEOUT_ENV, DEFAULT_RESUME_TIMEOUT_S)))
         if isinstance(self.vllm_config.additional_config, dict):
             self.vllm_config.additional_config[CONTROL_KEY] = self.control
         self.monitor = None
+        self.closed = threading.Event()
 
     def _refuse_unservable(self) -> None:
         config = json.loads((Path(self.model_config.model) / "config.json").read_text())
@@ -250,6 +256,7 @@ class ClusterExecutor(Executor):
             # Nothing to run, but the stages must still forget finished requests.
             with self.lock:
                 if self.control.state != "serving":
+                    self.translator.forget(so.finished_req_ids)
                     return EMPTY_MODEL_RUNNER_OUTPUT  # the next plan's stages never knew them
                 step = self.translator.to_step(so)
                 pipeline, generation = self.pipeline, self.control.generation
@@ -267,6 +274,7 @@ class ClusterExecutor(Executor):
         out = LazyFuture()
         with self.lock:
             if self.control.state != "serving":
+                self.translator.forget(so.finished_req_ids)
                 out.set_result(loss_output(so, self._failure(), self.control.outage_id))
                 return out
             step = self.translator.to_step(so, grammar_output)
@@ -344,7 +352,8 @@ class ClusterExecutor(Executor):
             if outage_id is None:
                 return False
             answered, self.inflight = self.inflight, {}
-        log.warning("cluster: %s; ending %d step(s) in flight and re-planning", reason, len(answered))
+        log.warning("cluster: %s; holding the running requests (%d step(s) in flight) and re-planning", reason,
+                    len(answered))
         failure = self._failure()
         for out, so in answered.items():
             out.set_result(loss_output(so, failure, outage_id))
@@ -358,6 +367,7 @@ class ClusterExecutor(Executor):
         alive, lost = replan.answering(candidates, timeout_s=min(2.0, self.stage_timeout_s))
         for why in lost:
             log.warning("cluster: left out of the new plan: %s", why)
+        silent = [s for s in candidates if s not in alive]
         self.control.note_lost(lost)
         self.pipeline.close()  # ends steps still waiting on the old stages
         clock.append(time.monotonic())
@@ -370,6 +380,31 @@ class ClusterExecutor(Executor):
             return
         clock.append(time.monotonic())
         self._adopt(plan, clock)
+        if silent:
+            threading.Thread(target=self._fence, args=(silent, self.control.generation), name="fence",
+                             daemon=True).start()
+
+    def _fence(self, stages: list, generation: int) -> None:
+        """A stage left out of a plan because it stopped answering may only be frozen (SIGSTOP, a host
+        cut off for a while). Once it answers again it is told to reset: it frees its memory and the
+        old ring's sockets, and never runs a step of a plan that is gone."""
+        deadline = time.monotonic() + FENCE_WATCH_S
+        while stages and time.monotonic() < deadline and not self.closed.wait(1.0):
+            for stage in list(stages):
+                try:
+                    state = stage.health(timeout=1).state
+                    if state != "idle":  # it may have reset itself already (its coordinator went quiet)
+                        stage.reset(f"fenced: the cluster replaced this stage's plan (now plan {generation}) "
+                                    "while it did not answer")
+                except StageCallError:
+                    continue
+                what = "told to reset" if state != "idle" else "idle"
+                message = (f"stage {stage.name} answers again after it was lost: {what}, fenced out of plan "
+                           f"{generation} (`metal-cluster rebalance` takes it back)")
+                self.control.note(message)
+                log.info("cluster: %s", message)
+                stages.remove(stage)
+                stage.close()
 
     def _give_up(self, stages: list, error: replan.ReplanError) -> None:
         """Serve 503s that say why, with the idle stages kept for a `rebalance`."""
@@ -384,7 +419,8 @@ class ClusterExecutor(Executor):
         with self.lock:
             self.pipeline, self.ranges, self.assigned = plan.pipeline, plan.ranges, plan.assigned
             self.addresses = [s.name for s in plan.pipeline.stages]
-            self.translator = StepTranslator(len(plan.pipeline) == 1)  # the new stages know no request yet
+            # The new stages know no request yet; the ones held through the outage go to them as new.
+            self.translator = self.translator.next_plan(len(plan.pipeline) == 1)
         probe, restart, load = (b - a for a, b in zip(clock, clock[1:]))
         stages = ", ".join(f"{s.name} [{a}, {b})" for s, (a, b) in zip(plan.pipeline.stages, plan.ranges))
         message = (f"re-planned in {clock[-1] - clock[0]:.1f}s: {len(plan.ranges)} stage(s) {stages}; "
@@ -420,6 +456,7 @@ class ClusterExecutor(Executor):
         pass
 
     def shutdown(self) -> None:
+        self.closed.set()
         if getattr(self, "monitor", None):
             self.monitor.close()
         self.pipeline.close()

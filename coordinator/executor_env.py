@@ -13,6 +13,11 @@ LAYERS_ENV = "METAL_CLUSTER_LAYERS"
 STAGE_TIMEOUT_ENV = "METAL_CLUSTER_STAGE_TIMEOUT"
 DEFAULT_STAGE_TIMEOUT_S = 15.0
 
+# Seconds a request running when a stage was lost may wait for the new plan before it ends with a
+# retryable error (it resumes where it stopped if the new plan serves sooner).
+RESUME_TIMEOUT_ENV = "METAL_CLUSTER_RESUME_TIMEOUT"
+DEFAULT_RESUME_TIMEOUT_S = 120.0
+
 # Seconds one step may take on the stages before it counts as stuck: a backstop behind heartbeats.
 STEP_TIMEOUT_ENV = "METAL_CLUSTER_STEP_TIMEOUT"
 DEFAULT_STEP_TIMEOUT_S = 600.0

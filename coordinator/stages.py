@@ -19,6 +19,10 @@ from metal_cluster.stage_worker.auth import resolve_token
 
 MAX_MESSAGE = 256 * 1024 * 1024
 FETCH_TIMEOUT_S = 6 * 3600
+# A worker that resets itself is unreachable for a few seconds. grpc's default reconnect backoff
+# (1 s, growing 1.6x to 120 s) then kept the re-plan waiting up to ~10 s after the worker listened
+# again; retry its address at least once a second instead.
+RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 class StageCallError(RuntimeError):
@@ -116,7 +120,8 @@ class RemoteStage:
         try:
             self.channel = cluster_tls.channel(
                 address, token or resolve_token(),
-                options=[("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)],
+                options=[("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE),
+                         *RECONNECT],
             )
         except cluster_tls.NoTokenError as e:
             raise StageCallError(f"stage {address}: {e}", grpc.StatusCode.UNAUTHENTICATED) from None

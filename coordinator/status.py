@@ -68,7 +68,8 @@ def collect(url: str, previous: dict | None = None) -> dict:
         "draining": snapshot.get("draining", False),
         "nodes": snapshot.get("nodes", []),
         "stages": snapshot.get("stages", []),
-        "cluster": {k: snapshot.get(k) for k in ("state", "reason", "replans", "stage_losses", "events")},
+        "cluster": {k: snapshot.get(k) for k in ("state", "reason", "replans", "stage_losses", "requests_held",
+                                                      "requests_resumed", "requests_lost", "events")},
         "requests": {
             "running": int(_metric(metrics, "vllm:num_requests_running")),
             "waiting": int(_metric(metrics, "vllm:num_requests_waiting")),
@@ -120,7 +121,9 @@ def _fetched(stage: dict) -> str:
 def _cluster_lines(cluster: dict) -> list[str]:
     state = cluster.get("state") or "serving"
     lines = [f"cluster: {state}" + (f" — {cluster['reason']}" if cluster.get("reason") else "")
-             + f"   stage losses: {cluster.get('stage_losses') or 0}   re-plans: {cluster.get('replans') or 0}"]
+             + f"   stage losses: {cluster.get('stage_losses') or 0}   re-plans: {cluster.get('replans') or 0}"
+             + f"   requests resumed: {cluster.get('requests_resumed') or 0}   lost: {cluster.get('requests_lost') or 0}"
+             + (f"   held: {cluster['requests_held']}" if cluster.get("requests_held") else "")]
     for event in (cluster.get("events") or [])[-5:]:
         lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(event['time']))}  {event['message']}")
     return lines

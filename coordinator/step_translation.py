@@ -6,6 +6,7 @@ coordinator remembers the tokens and ships each one once, in the request's next 
 """
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -44,33 +45,63 @@ def sampling_to_proto(sp) -> pb.SamplingParams:
     return out
 
 
+@dataclass
+class Admitted:
+    """What a stage learns of a request when it first sees it, kept for a later plan's stages."""
+
+    num_prompt_tokens: int
+    sampling: pb.SamplingParams
+
+
 class StepTranslator:
-    def __init__(self, stage_keeps_tokens: bool = False):
+    def __init__(self, stage_keeps_tokens: bool = False, admitted: dict[str, Admitted] | None = None):
         self.step_id = 0
         # A single stage (first and last) keeps what it samples; stage 0 of a pipeline is told.
         self.stage_keeps_tokens = stage_keeps_tokens
         self.unsent: dict[str, list[int]] = defaultdict(list)
         self.prompt_logprobs = PromptLogprobsCollector()
+        # Every unfinished request any plan has seen. One the scheduler resumes after a re-plan is
+        # unknown to the new stages: it goes to them as a new request with its outputs.
+        self.admitted: dict[str, Admitted] = dict(admitted or {})
+        self.on_stages: set[str] = set()
+
+    def next_plan(self, stage_keeps_tokens: bool) -> "StepTranslator":
+        return StepTranslator(stage_keeps_tokens, self.admitted)
+
+    def forget(self, finished_req_ids) -> None:
+        for req_id in finished_req_ids:
+            self.unsent.pop(req_id, None)
+            self.admitted.pop(req_id, None)
+            self.on_stages.discard(req_id)
+            self.prompt_logprobs.forget(req_id)
 
     def to_step(self, so, grammar=None) -> pb.StepRequest:
         step = pb.StepRequest(version=PROTO_VERSION, step_id=self.step_id, stage_keeps_tokens=self.stage_keeps_tokens)
         self.step_id += 1
         step.finished_req_ids.extend(so.finished_req_ids)
-        for req_id in so.finished_req_ids:
-            self.unsent.pop(req_id, None)
-            self.prompt_logprobs.forget(req_id)
+        self.forget(so.finished_req_ids)
         for new in so.scheduled_new_reqs:
             if new.sampling_params.prompt_logprobs is not None:
                 self.prompt_logprobs.expect(new.req_id, len(new.prompt_token_ids))
+            sampling = sampling_to_proto(new.sampling_params)
+            self.admitted[new.req_id] = Admitted(len(new.prompt_token_ids), sampling)
+            self.on_stages.add(new.req_id)
             step.new_requests.append(pb.NewRequest(
                 req_id=new.req_id,
                 prompt_token_ids=new.prompt_token_ids,
+                # A preempted request comes back as a new one (vLLM's model runner V2) with its whole
+                # history to recompute: the prompt, then what it had produced.
+                output_token_ids=(new.prefill_token_ids or [])[len(new.prompt_token_ids):],
                 block_ids=new.block_ids[0],
                 group_block_ids=[pb.BlockIds(ids=ids) for ids in new.block_ids[1:]],
                 num_computed_tokens=new.num_computed_tokens,
-                sampling=sampling_to_proto(new.sampling_params),
+                sampling=sampling,
             ))
-        step.cached_requests.extend(self._cached(so.scheduled_cached_reqs))
+        for cached in self._cached(so.scheduled_cached_reqs):
+            if isinstance(cached, pb.NewRequest):
+                step.new_requests.append(cached)
+            else:
+                step.cached_requests.append(cached)
         for req_id, n in so.num_scheduled_tokens.items():
             step.scheduled.append(pb.ScheduledTokens(req_id=req_id, num_tokens=n))
         for copy in so.kv_cache_block_copies or ():
@@ -82,6 +113,9 @@ class StepTranslator:
 
     def _cached(self, cached):
         for i, req_id in enumerate(cached.req_ids):
+            if req_id not in self.on_stages and req_id in self.admitted and req_id in cached.all_token_ids:
+                yield self._resumed_elsewhere(req_id, cached, i)
+                continue
             msg = pb.CachedRequest(
                 req_id=req_id,
                 resumed=req_id in cached.resumed_req_ids,
@@ -97,6 +131,23 @@ class StepTranslator:
             else:
                 msg.new_token_ids.extend(self.unsent.pop(req_id, []))
             yield msg
+
+    def _resumed_elsewhere(self, req_id: str, cached, i: int) -> pb.NewRequest:
+        """A request of an earlier plan, preempted by the re-plan and now resumed: new to these stages."""
+        seen = self.admitted[req_id]
+        tokens = cached.all_token_ids[req_id]
+        blocks = cached.new_block_ids[i] or ()
+        self.unsent.pop(req_id, None)
+        self.on_stages.add(req_id)
+        return pb.NewRequest(
+            req_id=req_id,
+            prompt_token_ids=tokens[: seen.num_prompt_tokens],
+            output_token_ids=tokens[seen.num_prompt_tokens :],
+            block_ids=blocks[0] if blocks else [],
+            group_block_ids=[pb.BlockIds(ids=ids) for ids in blocks[1:]],
+            num_computed_tokens=cached.num_computed_tokens[i],
+            sampling=seen.sampling,
+        )
 
     def record(self, response: pb.StepResponse) -> None:
         if self.stage_keeps_tokens:

@@ -69,13 +69,14 @@ class RequestTable:
         for new in step.new_requests:
             self.requests[new.req_id] = RequestState(
                 req_id=new.req_id,
-                token_ids=list(new.prompt_token_ids),
+                token_ids=[*new.prompt_token_ids, *new.output_token_ids],
                 num_prompt_tokens=len(new.prompt_token_ids),
                 block_tables=group_tables(new),
                 forgotten=[0] * self.num_groups,
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=new.sampling,
-                # A seeded request draws the same tokens wherever and whenever it runs.
+                # A seeded request's draws are keyed by seed and position (sampler.draw_key), so one
+                # resumed on a new plan with its outputs draws what it would have.
                 rng=np.random.default_rng(new.sampling.seed if new.sampling.HasField("seed") else None),
             )
         for cached in step.cached_requests:

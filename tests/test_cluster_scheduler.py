@@ -1,14 +1,16 @@
-"""ClusterScheduler, a real vLLM scheduler, without processes: a lost step ends what has started
-with the error it carries, a healing cluster holds new requests, and a new plan empties the prefix
-cache and keeps block ids above its capacity out of use."""
+"""ClusterScheduler, a real vLLM scheduler, without processes: a lost step takes back what has
+started (held, then resumed on the new plan), a healing cluster holds new requests, a new plan
+empties the prefix cache and keeps block ids above its capacity out of use, and a request the new
+plan cannot hold, or one held too long, ends with a retryable error."""
 
-import threading
+import time
 
 import pytest
 import torch
 
 from metal_cluster.coordinator.cluster_control import CONTROL_KEY, ClusterControl
 from metal_cluster.coordinator.cluster_scheduler import ClusterScheduler, loss_output
+from metal_cluster.coordinator.step_translation import StepTranslator
 from metal_cluster.coordinator.vllm_platform import ACTIVATE_ENV
 
 NUM_BLOCKS = 40
@@ -57,21 +59,41 @@ def errors(outputs) -> dict:
     return {o.request_id: o for outs in outputs.values() for o in outs.outputs if o.error is not None}
 
 
-def test_a_lost_step_ends_what_has_started(scheduler):
+def test_a_lost_step_holds_what_has_started_and_the_new_plan_resumes_it(scheduler):
     from vllm.outputs import RequestError
+    from vllm.v1.request import RequestStatus
 
     sched, control = scheduler
     for r in ("a", "b"):
         sched.add_request(request(r))
     first = sched.schedule()
-    assert set(first.num_scheduled_tokens) == {"a", "b"}
+    old_plan = StepTranslator()
+    old_plan.to_step(first)
+    sched.update_from_output(first, _tokens(first))  # both have a token out
+    second = sched.schedule()
+    assert set(second.num_scheduled_tokens) == {"a", "b"}
     sched.add_request(request("waiting"))  # arrives after the step went out: not started
     failure = RequestError(code="stage_lost", message="a stage was lost: retry", retryable=True)
     outage = control.begin_outage("stage x died")
-    ended = errors(sched.update_from_output(first, loss_output(first, failure, outage)))
-    assert set(ended) == {"a", "b"} and all(o.error.message == "a stage was lost: retry" for o in ended.values())
-    assert not sched.running and sched.requests.keys() == {"waiting"}  # held, not dropped
+    assert not errors(sched.update_from_output(second, loss_output(second, failure, outage)))
+    # Taken back as vLLM preempts: no blocks, nothing computed, prompt and output kept.
+    assert not sched.running and sched.requests.keys() == {"a", "b", "waiting"}
+    for r in ("a", "b"):
+        held = sched.requests[r]
+        assert held.status == RequestStatus.PREEMPTED and held.num_computed_tokens == 0
+        assert list(held.output_token_ids) == [7]
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == NUM_BLOCKS - 1  # nothing leaked
+    assert control.requests_held == 2
+    # While healing nothing is scheduled, and schedule returns (the engine keeps taking aborts).
+    assert sched.schedule().total_num_scheduled_tokens == 0
+    control.settle("serving", "re-planned", capacity_blocks=NUM_BLOCKS)
+    step = sched.schedule()
+    assert step.num_scheduled_tokens["a"] == 41  # first, recomputing prompt and output
+    # What the new plan's stages are told (they have never seen these requests): prompt + output.
+    sent = {r.req_id: r for r in StepTranslator(admitted=old_plan.admitted).to_step(step).new_requests}
+    for r in ("a", "b"):
+        assert list(sent[r].prompt_token_ids) == list(range(1, 41)) and list(sent[r].output_token_ids) == [7]
+    assert control.requests_resumed == 2 and control.requests_held == 0 and control.requests_lost == 0
 
 
 def test_healing_holds_new_requests_and_a_smaller_plan_fences_blocks(scheduler):
@@ -80,27 +102,54 @@ def test_healing_holds_new_requests_and_a_smaller_plan_fences_blocks(scheduler):
     sched.update_from_output(step := sched.schedule(), _tokens(step))
     control.begin_outage("stage x died")
     sched.add_request(request("held"))
-    result = {}
-    waiting = threading.Thread(target=lambda: result.update(step=sched.schedule()))
-    waiting.start()
-    waiting.join(0.5)
-    assert waiting.is_alive()  # held while the cluster heals
-    # "early" is still running: a step of the old plan will end it; the new plan waits for that.
+    began = time.monotonic()
+    assert sched.schedule().total_num_scheduled_tokens == 0  # held while the cluster heals
+    assert time.monotonic() - began < 1
+    assert "early" in sched.requests and not sched.running
     control.settle("serving", "re-planned", capacity_blocks=12)
-    waiting.join(5)
-    assert not waiting.is_alive() and result["step"].total_num_scheduled_tokens == 0
-    from vllm.outputs import RequestError
-
-    sched.update_from_output(step, loss_output(step, RequestError("stage_lost", "lost"), control.outage_id))
-    assert "early" not in sched.requests
     step = sched.schedule()
-    assert set(step.num_scheduled_tokens) == {"held"}
+    assert set(step.num_scheduled_tokens) == {"early", "held"}
     for k in range(3):  # more requests than 12 blocks hold: none may use a fenced block id
         sched.add_request(request(f"more-{k}", prompt_len=60))
     step = sched.schedule()
     used = {b for new in step.scheduled_new_reqs for b in new.block_ids[0]}
     assert used and max(used) < 12
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() <= 12
+
+
+def test_a_request_the_smaller_plan_cannot_hold_ends_with_a_retryable_error(scheduler):
+    from vllm.outputs import RequestError
+
+    sched, control = scheduler
+    sched.add_request(request("small", prompt_len=8))
+    sched.add_request(request("large", prompt_len=40))  # 40 + 8 tokens: 3 blocks of 16
+    step = sched.schedule()
+    outage = control.begin_outage("stage x died")
+    sched.update_from_output(step, loss_output(step, RequestError("stage_lost", "lost", retryable=True), outage))
+    control.settle("serving", "re-planned", capacity_blocks=3)  # two usable blocks beside the null block
+    step = sched.schedule()
+    assert step.total_num_scheduled_tokens == 0
+    ended = errors(sched.update_from_output(step, _tokens(step)))
+    assert set(ended) == {"large"} and ended["large"].error.retryable
+    assert "holds 2 KV blocks" in ended["large"].error.message and "needs 3" in ended["large"].error.message
+    assert set(sched.schedule().num_scheduled_tokens) == {"small"}
+    assert control.requests_resumed == 1 and control.requests_lost == 1
+
+
+def test_a_request_held_past_the_resume_timeout_ends(scheduler):
+    from vllm.outputs import RequestError
+
+    sched, control = scheduler
+    control.resume_timeout_s = 0.2
+    sched.add_request(request("a"))
+    step = sched.schedule()
+    outage = control.begin_outage("stage x died")
+    sched.update_from_output(step, loss_output(step, RequestError("stage_lost", "lost", retryable=True), outage))
+    time.sleep(0.3)
+    step = sched.schedule()
+    ended = errors(sched.update_from_output(step, _tokens(step)))
+    assert set(ended) == {"a"} and "--resume-timeout" in ended["a"].error.message and ended["a"].error.retryable
+    assert not sched.requests and control.requests_lost == 1 and control.requests_held == 0
 
 
 def _tokens(step):

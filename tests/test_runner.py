@@ -183,3 +183,32 @@ def test_sliding_window_matches_mlx_lm(tmp_path):
     out = sched.run()
     for i, p in enumerate(prompts):
         assert out[f"r{i}"] == mlx_lm_greedy(ref_model, p, 12), f"request {i}"
+
+
+def test_a_seeded_request_resumed_on_fresh_stages_draws_what_it_would_have(llama_model):
+    """A lost stage's requests reach the new plan's stages as new requests with their outputs: a
+    seeded sampled one must go on with the tokens it would have drawn had nothing happened."""
+    from metal_cluster.proto import PROTO_VERSION, pb
+
+    source = resolve_model(llama_model)
+    prompt, blocks = list(range(1, 12)), list(range(1, 9))
+    sampling = pb.SamplingParams(temperature=1.0, seed=7)
+
+    def generate(runner, outputs, n):
+        """Start the request (prompt + `outputs` so far) on `runner`, then sample up to n tokens."""
+        first = pb.StepRequest(version=PROTO_VERSION)
+        first.new_requests.append(pb.NewRequest(req_id="s", prompt_token_ids=prompt, output_token_ids=outputs,
+                                                block_ids=blocks, sampling=sampling))
+        first.scheduled.append(pb.ScheduledTokens(req_id="s", num_tokens=len(prompt) + len(outputs)))
+        tokens = list(outputs)
+        step = first
+        while len(tokens) < n:
+            tokens.append(runner.step(step).sampled["s"].token_id)
+            step = pb.StepRequest(version=PROTO_VERSION, step_id=step.step_id + 1)
+            step.cached_requests.append(pb.CachedRequest(req_id="s", new_token_ids=[tokens[-1]],
+                                                         num_computed_tokens=len(prompt) + len(tokens) - 1))
+            step.scheduled.append(pb.ScheduledTokens(req_id="s", num_tokens=1))
+        return tokens
+
+    whole = generate(make_runner(source), [], 12)
+    assert generate(make_runner(source), whole[:6], 12) == whole

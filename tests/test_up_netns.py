@@ -182,11 +182,12 @@ first = threading.Event()
 def stream(ids):
     tokens = []
     try:
-        for ch in c.completions.create(model="m", prompt=ids, max_tokens=400, temperature=0, stream=True,
+        for ch in c.completions.create(model="m", prompt=ids, max_tokens=256, temperature=0, stream=True,
                                        extra_body={"ignore_eos": True, "return_token_ids": True}):
             tokens += ch.choices[0].token_ids or []
+            finish = ch.choices[0].finish_reason
             first.set()
-        return ["done", len(tokens), time.monotonic()]
+        return ["done" if finish == "length" else finish, tokens, time.monotonic()]
     except openai.APIError as e:
         return ["error", str(e), time.monotonic()]
 def greedy(ids):
@@ -207,7 +208,8 @@ print(json.dumps({"streams": ended, "after": after}), flush=True)
 @pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
 def test_a_lost_host_mid_traffic_is_healed_around(lan, tmp_path, llama_model, fault):
     """Three stages on three namespaced hosts; the host of the last stage dies (or freezes past the
-    3 s stage timeout) during 8 streams."""
+    3 s stage timeout) during 8 greedy streams of 256 tokens: every stream pauses and resumes on the
+    two hosts left, token-exact."""
     import os
     import signal
     import subprocess
@@ -234,14 +236,14 @@ def test_a_lost_host_mid_traffic_is_healed_around(lan, tmp_path, llama_model, fa
         for pid in subprocess.run(["ip", "netns", "pids", ns_c], capture_output=True, text=True).stdout.split():
             os.kill(int(pid), getattr(signal, fault))  # everything on that host dies or freezes
         killed = time.monotonic()
-        out, _ = client.communicate(timeout=240)
+        out, _ = client.communicate(timeout=400)
     finally:
         client.kill()
     result = json.loads(out.strip().splitlines()[-1])
-    for kind, value, ended in result["streams"]:
-        assert ended - killed < 10 + (3 if fault == "SIGSTOP" else 0)
-        assert value == 400 if kind == "done" else "lost a stage" in value
-    assert any(kind == "error" for kind, _, _ in result["streams"])
+    for (kind, value, ended), ids in zip(result["streams"], prompts):
+        assert kind == "done", value
+        assert ended - killed < 300  # a pause, bounded
+        assert value == mlx_lm_greedy(ref_model, ids, 256)  # the chunks joined: no gap, no repeat
     assert result["after"] == [mlx_lm_greedy(ref_model, ids, 10) for ids in prompts]
     deadline = time.monotonic() + 15  # the snapshot follows heartbeats, once a second
     while True:
@@ -250,6 +252,7 @@ def test_a_lost_host_mid_traffic_is_healed_around(lan, tmp_path, llama_model, fa
             break
         time.sleep(1)
     assert status["state"] == "serving" and status["replans"] == 1
+    assert status["requests_resumed"] == 8 and status["requests_lost"] == 0
     hosts = sorted(n["address"].rsplit(":", 1)[0] for n in status["nodes"])
     assert hosts == [ip_a, ip_b] and sorted(s["layers"] for s in status["stages"]) == [[0, 2], [2, 4]]
     assert "re-planned" in log.read_text()

@@ -455,8 +455,8 @@ def _generated_tokens(url) -> float:
 
 def test_a_client_that_disconnects_frees_its_kv_blocks_at_once(tiny_server):
     """Freed by the abort, not by the request running out: the server generated far fewer tokens
-    than the request asked for. (A wall-clock bound alone failed on a loaded CI machine, where the
-    whole request may finish in about the time the bound allows.)"""
+    than the request asked for. (A wall-clock bound failed on a loaded CI machine; and the tiny
+    model can finish the whole request within the second the stage's `status` lags.)"""
     import httpx
 
     max_tokens = MAX_MODEL_LEN - 16
@@ -466,12 +466,11 @@ def test_a_client_that_disconnects_frees_its_kv_blocks_at_once(tiny_server):
     with httpx.stream("POST", f"{tiny_server}/v1/completions", json=body, timeout=120) as r:
         lines = r.iter_lines()
         deadline = time.monotonic() + 60
-        while True:  # read until both vLLM and the stage show the request's blocks
+        while True:  # read until vLLM's block pool shows the request (the stage's `status` lags a second)
             next(lines)
-            usage, blocks = _kv_in_use(tiny_server)
-            if usage > 0 and blocks > 0:
+            if _kv_in_use(tiny_server)[0] > 0:
                 break
-            assert time.monotonic() < deadline, "the request never showed in the KV counts"
+            assert time.monotonic() < deadline, "the request never showed in vLLM's KV usage"
     # The connection is closed here, mid-stream.
     freed_s = _wait_kv_free(tiny_server)
     generated = _generated_tokens(tiny_server) - before

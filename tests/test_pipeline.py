@@ -33,12 +33,6 @@ def greedy(client, ids, n):
 
 @pytest.mark.parametrize("stages", [2, 3])
 def test_stages_match_mlx_lm(tiny_model, stages, tmp_path):
-    import os
-
-    if stages == 3 and os.environ.get("METAL_CLUSTER_ALL_SPLITS") != "1":
-        # CI time: three stages run with SmolLM2 below, in test_families (MoE, sliding) and in
-        # test_faults; all six pairs with METAL_CLUSTER_ALL_SPLITS=1.
-        pytest.skip("-pp 3 of the tiny families runs with METAL_CLUSTER_ALL_SPLITS=1 (CI time)")
     ref_model, tokenizer = load(str(tiny_model))
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     expected = [mlx_lm_greedy(ref_model, ids, 10) for ids in prompts]

@@ -48,9 +48,10 @@ def groups_for(folder: Path, ranges):
 def request_bytes(caches, groups, ranges, context: int) -> tuple[int, int]:
     """(hybrid, every layer full): KV bytes one `context`-token request holds over all stages."""
     from metal_cluster.stage_worker.kv_layout import KVLayout
+    from metal_cluster.stage_worker.paged_kv import blocks_held
 
     blocks = -(-context // BLOCK)
-    held = [min(blocks, -(-(WINDOW - 1) // BLOCK) + 1) if caches[g[0]].sliding_window else blocks for g in groups]
+    held = [blocks_held(caches[g[0]], context, BLOCK) for g in groups]
     hybrid = full = 0
     for a, b in ranges:
         arrays = KVLayout.of_stage(groups, a, b, caches).num_arrays

@@ -142,11 +142,15 @@ class ClusterExecutor(Executor):
         self.monitor = None
         self.closed = threading.Event()
 
+    @cached_property
+    def _model_json(self) -> dict:
+        """The model folder's config.json, as the stages' families read it."""
+        return json.loads((Path(self.model_config.model) / "config.json").read_text())
+
     def _refuse_unservable(self) -> None:
-        config = json.loads((Path(self.model_config.model) / "config.json").read_text())
-        gap = family_of(config, self.model_config.model).serving_gap
+        gap = family_of(self._model_json, self.model_config.model).serving_gap
         if gap:
-            log.error("cannot serve %s (%s) yet: %s", self.model_name, config.get("model_type"), gap)
+            log.error("cannot serve %s (%s) yet: %s", self.model_name, self._model_json.get("model_type"), gap)
             logging.shutdown()
             os._exit(3)
 
@@ -167,8 +171,7 @@ class ClusterExecutor(Executor):
 
     # --- KV cache sizing: one entry per stage; vLLM takes the minimum block count over them ----------
     def _layer_caches(self):
-        config = json.loads((Path(self.model_config.model) / "config.json").read_text())
-        return family_of(config, self.model_config.model).layer_caches(config)
+        return family_of(self._model_json, self.model_config.model).layer_caches(self._model_json)
 
     def get_kv_cache_specs(self):
         import torch

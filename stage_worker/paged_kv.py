@@ -121,17 +121,17 @@ def bytes_per_block(caches, block_size: int, dtype: mx.Dtype, layout: KVLayout |
     return sum(c.block_bytes(block_size, dtype.size) for c in kinds)
 
 
-def request_bytes(caches, num_tokens: int, block_size: int, dtype: mx.Dtype) -> int:
-    """The KV one num_tokens-long request holds on a stage with these layers, plus vLLM's null
-    block: a sliding layer holds only the blocks its window spans (vLLM frees the rest)."""
+def blocks_held(cache, num_tokens: int, block_size: int) -> int:
+    """Blocks one num_tokens-long request holds in a layer: a recurrent layer one state, a sliding
+    layer the blocks its window spans (vLLM frees the rest), any other layer all of them."""
     blocks = -(-num_tokens // block_size)
-    total = 0
-    for c in caches:
-        if c.state_shapes:
-            held = 1  # one state, whatever the length
-        elif c.sliding_window:
-            held = min(blocks, -(-(c.sliding_window - 1) // block_size) + 1)
-        else:
-            held = blocks
-        total += (held + 1) * c.block_bytes(block_size, dtype.size)
-    return total
+    if cache.state_shapes:
+        return 1
+    if cache.sliding_window:
+        return min(blocks, -(-(cache.sliding_window - 1) // block_size) + 1)
+    return blocks
+
+
+def request_bytes(caches, num_tokens: int, block_size: int, dtype: mx.Dtype) -> int:
+    """The KV one num_tokens-long request holds on a stage with these layers, plus vLLM's null block."""
+    return sum((blocks_held(c, num_tokens, block_size) + 1) * c.block_bytes(block_size, dtype.size) for c in caches)

@@ -68,10 +68,9 @@ class PagedGatedDeltaNet(nn.Module):
         rows = attn.block_tables[:, 0]  # each request's state row
         starts = [s - n for s, n in zip(attn.seq_lens_host, attn.query_lens_host)]
         conv, recurrent = cache.pool.state(cache.layer_index)
-        outputs, begin = [], 0
-        decodes = [r for r, n in enumerate(attn.query_lens_host) if n == 1]
-        if len(decodes) == len(starts):  # a decode-only step: one call over all requests
+        if all(n == 1 for n in attn.query_lens_host):  # a decode-only step: one call over all requests
             return self._run(x[0][:, None], rows, [s > 0 for s in starts], conv, recurrent, cache)[:, 0][None]
+        outputs, begin = [], 0
         for r, n in enumerate(attn.query_lens_host):
             outputs.append(self._run(x[:, begin : begin + n], rows[r : r + 1], [starts[r] > 0], conv, recurrent,
                                      cache))

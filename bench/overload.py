@@ -20,13 +20,12 @@ import urllib.request
 from pathlib import Path
 
 import httpx
-import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import tiny_models  # noqa: E402
-from server_process import running_server  # noqa: E402
+from server_process import running_server, tree_rss  # noqa: E402
 
 
 def kv_usage(url) -> float:
@@ -35,15 +34,6 @@ def kv_usage(url) -> float:
             if line.startswith("vllm:kv_cache_usage_perc"):
                 return float(line.split()[-1])
     return -1.0
-
-
-def tree_rss(port: int) -> int:
-    """RSS of the process listening on `port` and all its children (EngineCore ...)."""
-    for conn in psutil.net_connections("tcp"):
-        if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
-            root = psutil.Process(conn.pid)
-            return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
-    return 0
 
 
 def main():
@@ -59,14 +49,13 @@ def main():
              "--max-num-seqs", str(args.max_num_seqs), "--max-waiting-requests", str(args.max_waiting),
              "--served-model-name", "tiny"]
     with running_server(model, *flags, log_path=work / "server.log") as url:
-        port = int(url.rsplit(":", 1)[1])
-        idle_rss = tree_rss(port)
+        idle_rss = tree_rss(url)
         peak = [idle_rss]
         stop = threading.Event()
 
         def sample():
             while not stop.wait(0.2):
-                peak[0] = max(peak[0], tree_rss(port))
+                peak[0] = max(peak[0], tree_rss(url))
 
         threading.Thread(target=sample, daemon=True).start()
         http = httpx.Client(timeout=300, limits=httpx.Limits(max_connections=args.clients,

@@ -51,13 +51,18 @@ def _max_waiting_option():
         "Requests that may wait beyond the --max-num-seqs running ones; past that a request gets 503 with Retry-After."))
 
 
-def _set_admission(max_body: int, max_waiting: int) -> None:
+def _body_timeout_option():
+    return typer.Option(30.0, min=0.1, help="Seconds a client has to send its whole request body; past that, 408.")
+
+
+def _set_admission(max_body: int, max_waiting: int, body_timeout: float) -> None:
     import os
 
     from metal_cluster.coordinator import admission
 
     os.environ[admission.MAX_BODY_ENV] = str(max_body)
     os.environ[admission.MAX_WAITING_ENV] = str(max_waiting)
+    os.environ[admission.BODY_TIMEOUT_ENV] = str(body_timeout)
 
 
 def _stage_timeout_option():
@@ -87,6 +92,7 @@ def serve(
     resume_timeout: float = _resume_timeout_option(),
     max_request_body_bytes: int = _max_body_option(),
     max_waiting_requests: int = _max_waiting_option(),
+    request_body_timeout: float = _body_timeout_option(),
 ):
     """Serve the OpenAI API on this machine. Other flags go to vLLM with vLLM's names
     (--max-model-len, --max-num-seqs, --gpu-memory-utilization, --api-key, --tool-call-parser, ...)."""
@@ -96,7 +102,7 @@ def serve(
     extra = _backend_defaults(extra)
     workers = pipeline_parallel_size if pipeline_parallel_size > 1 else 0
     _set_stage_timeout(stage_timeout, resume_timeout)
-    _set_admission(max_request_body_bytes, max_waiting_requests)
+    _set_admission(max_request_body_bytes, max_waiting_requests, request_body_timeout)
     typer.echo(f"metal-cluster: serving {_served_name(source)} on one machine", err=True)
     _run_server(source, host, port, gpu_memory_utilization, extra, local_stages=workers)
 
@@ -120,6 +126,7 @@ def up(
     resume_timeout: float = _resume_timeout_option(),
     max_request_body_bytes: int = _max_body_option(),
     max_waiting_requests: int = _max_waiting_option(),
+    request_body_timeout: float = _body_timeout_option(),
 ):
     """Coordinate a cluster: discover workers, place the layers, start the stages, serve the OpenAI API."""
     import os
@@ -139,7 +146,7 @@ def up(
              f"or pass --cluster-token / set {TOKEN_ENV}")
     os.environ[TOKEN_ENV] = token  # for the executor and the local worker
     _set_stage_timeout(stage_timeout, resume_timeout)
-    _set_admission(max_request_body_bytes, max_waiting_requests)
+    _set_admission(max_request_body_bytes, max_waiting_requests, request_body_timeout)
     console = Console(stderr=True, soft_wrap=True)  # one line per event, whatever the width
     try:
         ip = cluster.interface_ip(interface)

@@ -32,6 +32,18 @@ def running_server(model, *extra, log_path, timeout=300, command="serve"):
         _stop(proc)
 
 
+def tree_rss(url) -> int:
+    """Resident memory of the server listening at `url` and all its children (EngineCore, ...)."""
+    import psutil
+
+    port = int(url.rsplit(":", 1)[1])
+    for conn in psutil.net_connections("tcp"):
+        if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
+            root = psutil.Process(conn.pid)
+            return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
+    raise LookupError(f"nothing listens at {url}")
+
+
 def _wait_healthy(proc, url, timeout, log_path):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

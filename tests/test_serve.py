@@ -17,8 +17,9 @@ from server_process import running_server
 MAX_MODEL_LEN = 512
 COMMON = ["--gpu-memory-utilization", "0.05", "--max-model-len", str(MAX_MODEL_LEN),
           "--max-num-batched-tokens", "256", "--max-num-seqs", "32"]
-MAX_BODY, MAX_WAITING = 65536, 8
-LIMITS = ["--max-request-body-bytes", str(MAX_BODY), "--max-waiting-requests", str(MAX_WAITING)]
+MAX_BODY, MAX_WAITING, BODY_TIMEOUT = 65536, 8, 2
+LIMITS = ["--max-request-body-bytes", str(MAX_BODY), "--max-waiting-requests", str(MAX_WAITING),
+          "--request-body-timeout", str(BODY_TIMEOUT)]
 
 
 @pytest.fixture(scope="module")
@@ -413,37 +414,88 @@ def test_limits_name_themselves_and_the_server_keeps_serving(client, tiny_server
     assert client.completions.create(model="tiny", prompt="still there?", max_tokens=3).choices[0].text is not None
 
 
-def test_past_the_queue_limit_requests_get_503_with_retry_after(tiny_server):
-    """32 may run and 8 wait (--max-num-seqs 32, --max-waiting-requests 8); 60 at once: the rest are
-    told to come back, and every admitted stream runs to its end."""
+# What 200 streaming clients may add to the server's memory: the queue bound keeps what is admitted
+# fixed (bench/overload.py measured +38 MiB), so a leak per client or per refusal shows past this.
+FLOOD_RSS_BOUND = 256 * 2**20
+
+
+def test_a_client_that_stalls_in_its_body_is_timed_out(client, tiny_server):
+    """A body that stops arriving (a stalled or slowloris client) gets 408 after --request-body-timeout
+    instead of holding its place in the queue; the server serves the next request."""
+    import socket
+
+    host, port = tiny_server.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 100\r\n\r\n{\"model\": ")
+        sent = time.monotonic()
+        answer = conn.recv(4096).decode()
+        waited = time.monotonic() - sent
+    assert answer.startswith("HTTP/1.1 408") and "--request-body-timeout" in answer, answer
+    assert waited >= BODY_TIMEOUT - 0.5, f"answered after {waited:.1f}s, before the timeout"
+    assert client.completions.create(model="tiny", prompt="next", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_a_flood_of_200_clients_is_bounded_and_half_hanging_up_frees_their_blocks(tiny_server):
+    """32 may run and 8 wait (--max-num-seqs 32, --max-waiting-requests 8); 200 streaming clients at
+    once: the rest are told to come back (503 + Retry-After), every admitted stream runs to its end
+    or to its client's hang-up (the odd ones hang up after 8 chunks), memory stays bounded, and
+    the hung-up requests are aborted: the server generates far fewer tokens than were asked for."""
     import threading
 
     import httpx
+    from server_process import tree_rss
 
-    clients, barrier = 60, threading.Barrier(60)
+    clients, max_tokens = 200, 128
+    barrier = threading.Barrier(clients)
+    idle_rss, peak, stop = tree_rss(tiny_server), [0], threading.Event()
+
+    def sample():
+        while not stop.wait(0.2):
+            peak[0] = max(peak[0], tree_rss(tiny_server))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     # One client for all: building one per thread (an SSL context each) spreads the requests out.
     http = httpx.Client(timeout=120, limits=httpx.Limits(max_connections=clients, max_keepalive_connections=0))
 
-    def one(_):
-        barrier.wait(30)
-        body = {"model": "tiny", "prompt": "count", "max_tokens": 256, "temperature": 0, "stream": True,
-                "ignore_eos": True, "stream_options": {"include_usage": True}}
+    def one(i):
+        barrier.wait(60)
+        body = {"model": "tiny", "prompt": f"client {i}", "max_tokens": max_tokens, "temperature": 0,
+                "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
         with http.stream("POST", f"{tiny_server}/v1/completions", json=body) as r:
             if r.status_code != 200:
                 return r.status_code, r.headers.get("retry-after"), r.read().decode()
-            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            chunks = []
+            for line in r.iter_lines():
+                if i % 2 and len(chunks) == 8:
+                    return "hung up", None, None
+                if line.startswith("data: {"):
+                    chunks.append(json.loads(line[6:]))
             return 200, None, chunks[-1]["usage"]["completion_tokens"]  # a slow reader gets tokens merged
 
+    before = _generated_tokens(tiny_server)
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
         answers = list(pool.map(one, range(clients)))
+    ended = time.monotonic()
     http.close()
+    freed_s = _wait_kv_free(tiny_server)
+    stop.set()
+    sampler.join(5)
+    generated = _generated_tokens(tiny_server) - before
     full = [a for a in answers if a[0] == 503]
     served = [a for a in answers if a[0] == 200]
-    assert len(full) + len(served) == clients, [a for a in answers if a[0] not in (200, 503)]
-    assert len(full) >= clients - 32 - MAX_WAITING - 8, f"only {len(full)} of {clients} were refused"
+    hung_up = [a for a in answers if a[0] == "hung up"]
+    assert len(full) + len(served) + len(hung_up) == clients, [a for a in answers if a[0] not in (200, 503)]
+    assert len(full) >= clients - 2 * (32 + MAX_WAITING), f"only {len(full)} of {clients} were refused"
     assert all(retry == "1" and "--max-waiting-requests" in text for _, retry, text in full), full[:1]
-    assert all(n == 256 for _, _, n in served), served
-    _wait_kv_free(tiny_server)
+    assert served and hung_up and all(n == max_tokens for _, _, n in served), served
+    assert generated < (len(served) + len(hung_up) / 2) * max_tokens, \
+        f"{generated:.0f} tokens generated: the hung-up requests ran on"
+    assert peak[0] - idle_rss < FLOOD_RSS_BOUND, f"the server grew {(peak[0] - idle_rss) / 2**20:.0f} MiB"
+    print(f"{len(full)} refused, {len(served)} completed, {len(hung_up)} hung up; {generated:.0f} tokens; "
+          f"RSS +{(peak[0] - idle_rss) / 2**20:.0f} MiB; KV free {time.monotonic() - ended:.2f}s "
+          f"after the last client ({freed_s:.2f}s of waiting)")
 
 
 def _generated_tokens(url) -> float:

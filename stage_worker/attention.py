@@ -21,7 +21,7 @@ class LayerContext:
         self.pool = pool
         self.layer_index = layer_index
         tables = batch.groups[pool.layout.groups[layer_index]]
-        self.slots, self.attn = tables.slot_mapping, tables.attn
+        self.slots, self.attn, self.state = tables.slot_mapping, tables.attn, tables.state
 
 
 class PagedAttention(nn.Module):

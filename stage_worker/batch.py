@@ -9,11 +9,29 @@ from metal_cluster.stage_worker.request_table import PENDING, RequestTable, Step
 
 
 @dataclass
+class StateRows:
+    """Where a group's recurrent layers read each request's state and write it back, one row (a
+    block id) per request in batch order: the state after token t lives in the block of the
+    request's table that holds t. vLLM gives a recurrent (MambaSpec) group either one block per
+    request ("none" mode: every index lands on it, the state is updated in place) or one per
+    block_size tokens ("align" mode, for prefix caching): a step reads the state its first token
+    follows and writes the one its last token leaves into the block holding that token, so the
+    states at block boundaries stay behind as vLLM's cached prefix states. Without vLLM (a stage
+    run by `generate` or the tests, one K/V group for all layers) the same rule walks the state
+    along the request's K/V blocks."""
+
+    read: mx.array  # [B] block id holding the state before this step's tokens
+    write: mx.array  # [B] block id the state after them goes to
+    fresh: mx.array  # [B] bool: the request starts at position 0, from zero states
+
+
+@dataclass
 class GroupTables:
     """Where one KV cache group's layers write this step's tokens and read their context."""
 
-    slot_mapping: mx.array  # [total_q] flat KV slot of each token
+    slot_mapping: mx.array  # [total_q] flat KV slot of each token (empty for a recurrent group)
     attn: AttentionMetadata
+    state: StateRows | None = None  # a recurrent group's
 
 
 @dataclass
@@ -44,9 +62,11 @@ class StepBatch:
     prompt_rows: list[PromptRows]
 
 
-def build_batch(table: RequestTable, scheduled, block_size: int) -> StepBatch:
+def build_batch(table: RequestTable, scheduled, block_size: int, with_state: bool = False) -> StepBatch:
+    """with_state: the stage has recurrent layers (each group then gets its StateRows)."""
     req_ids, num_tokens, tokens, positions = [], [], [], []
     slots, tables = [[] for _ in range(table.num_groups)], [[] for _ in range(table.num_groups)]
+    rows = [([], []) if with_state else None for _ in range(table.num_groups)]
     seq_lens, logits_rows, sample_ids, pending, prompt_rows = [], [], [], [], []
     for sched in scheduled:
         if sched.num_tokens == 0:
@@ -60,8 +80,10 @@ def build_batch(table: RequestTable, scheduled, block_size: int) -> StepBatch:
                 f"but only {len(state.token_ids)} tokens are known"
             )
         # A sliding group's table is as long as a full one: blocks behind its window are block 0.
-        for group in state.block_tables:
-            if end > len(group) * block_size:
+        for group, recurrent in zip(state.block_tables, table.recurrent):
+            if recurrent and not group:
+                raise StepError(f"request {sched.req_id!r}: no block for its recurrent layers' state")
+            if not recurrent and end > len(group) * block_size:
                 raise StepError(
                     f"request {sched.req_id!r}: {end} tokens need {-(-end // block_size)} blocks, "
                     f"it has {len(group)}"
@@ -75,9 +97,15 @@ def build_batch(table: RequestTable, scheduled, block_size: int) -> StepBatch:
             pending.extend((len(tokens) + k, sched.req_id, start + k) for k, t in enumerate(scheduled) if t == PENDING)
         tokens.extend(scheduled)
         positions.extend(range(start, end))
-        for group, group_slots, group_tables in zip(state.block_tables, slots, tables):
-            group_slots.extend(group[pos // block_size] * block_size + pos % block_size for pos in range(start, end))
+        for g, (group, group_slots, group_tables, group_rows) in enumerate(zip(state.block_tables, slots, tables,
+                                                                              rows)):
             group_tables.append(group)
+            if group_rows is not None:
+                group_rows[0].append(group[min(max(start - 1, 0) // block_size, len(group) - 1)])
+                group_rows[1].append(group[min((end - 1) // block_size, len(group) - 1)])
+            if table.recurrent[g]:
+                continue
+            group_slots.extend(group[pos // block_size] * block_size + pos % block_size for pos in range(start, end))
         seq_lens.append(end)
         if end == len(state.token_ids):
             logits_rows.append(len(tokens) - 1)
@@ -88,7 +116,9 @@ def build_batch(table: RequestTable, scheduled, block_size: int) -> StepBatch:
         cu.append(cu[-1] + n)
     cu_seqlens_q, seq_lens_arr = mx.array(cu, dtype=mx.int32), mx.array(seq_lens, dtype=mx.int32)
 
-    def group(group_slots, group_tables) -> GroupTables:
+    fresh = mx.array([end == n for n, end in zip(num_tokens, seq_lens)])  # starts at position 0
+
+    def group(group_slots, group_tables, group_rows) -> GroupTables:
         max_blocks = max((len(t) for t in group_tables), default=0)
         padded = [t + [0] * (max_blocks - len(t)) for t in group_tables]
         attn = AttentionMetadata(
@@ -99,14 +129,16 @@ def build_batch(table: RequestTable, scheduled, block_size: int) -> StepBatch:
             query_lens_host=num_tokens,
             seq_lens_host=seq_lens,
         )
-        return GroupTables(mx.array(group_slots, dtype=mx.int32), attn)
+        state = None if group_rows is None else StateRows(
+            mx.array(group_rows[0], dtype=mx.int32), mx.array(group_rows[1], dtype=mx.int32), fresh)
+        return GroupTables(mx.array(group_slots, dtype=mx.int32), attn, state)
 
     return StepBatch(
         req_ids=req_ids,
         num_tokens=num_tokens,
         token_ids=mx.array(tokens, dtype=mx.int32),
         positions=mx.array(positions, dtype=mx.int32),
-        groups=[group(s, t) for s, t in zip(slots, tables)],
+        groups=[group(s, t, r) for s, t, r in zip(slots, tables, rows)],
         logits_rows=mx.array(logits_rows, dtype=mx.int32),
         sample_req_ids=sample_ids,
         pending=pending,

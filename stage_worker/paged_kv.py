@@ -61,6 +61,14 @@ class KVPool:
         a = self.layout.arrays[i]
         return self.keys[a], self.values[a]
 
+    def read_state(self, i: int, rows) -> tuple[mx.array, mx.array]:
+        """Recurrent layer i's states at block ids `rows` ([B, ...] each; a `StateRows` zeroes
+        those of requests starting fresh)."""
+        conv, recurrent = self.state(i)
+        fresh = rows.fresh
+        return (mx.where(fresh[:, None, None], 0, conv[rows.read]),
+                mx.where(fresh[:, None, None, None], 0, recurrent[rows.read]))
+
     def write_state(self, i: int, rows: mx.array, conv: mx.array, recurrent: mx.array) -> None:
         a = self.layout.arrays[i]
         self.keys[a][rows] = conv.astype(self.keys[a].dtype)

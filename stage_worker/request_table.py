@@ -45,10 +45,13 @@ def group_tables(msg) -> list[list[int]]:
 
 
 class RequestTable:
-    def __init__(self, num_blocks: int, windows: tuple[int | None, ...] = (None,), block_size: int = 0):
-        """windows: per KV cache group, its layers' sliding window (None: full attention)."""
+    def __init__(self, num_blocks: int, windows: tuple[int | None, ...] = (None,), block_size: int = 0,
+                 recurrent: tuple[bool, ...] | None = None):
+        """windows: per KV cache group, its layers' sliding window (None: full attention);
+        recurrent: per group, whether its layers keep a state per block instead of K/V."""
         self.num_blocks = num_blocks
         self.windows = windows
+        self.recurrent = recurrent or (False,) * len(windows)
         self.block_size = block_size
         self.requests: dict[str, RequestState] = {}
 

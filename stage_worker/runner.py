@@ -59,7 +59,7 @@ class StageRunner:
     def __init__(self, shard: ModelShard, pool: KVPool):
         self.shard = shard
         self.pool = pool
-        self.table = RequestTable(pool.num_blocks, pool.layout.windows, pool.block_size)
+        self.table = RequestTable(pool.num_blocks, pool.layout.windows, pool.block_size, pool.layout.recurrent)
 
     def step(self, step: pb.StepRequest, hidden_in: mx.array | None = None) -> StageOutput:
         """prepare + run, waited for."""
@@ -71,7 +71,7 @@ class StageRunner:
             raise StepError("only a stage that runs the whole model can keep its sampled tokens")
         self.table.apply(step)
         self.pool.copy_blocks([(c.src, c.dst) for c in step.block_copies])
-        return build_batch(self.table, step.scheduled, self.pool.block_size)
+        return build_batch(self.table, step.scheduled, self.pool.block_size, any(self.pool.is_state))
 
     def run(self, step: pb.StepRequest, batch: StepBatch, hidden_in: mx.array | None = None) -> StageOutput:
         """Run the step's work. A stage that keeps its tokens only queues it: `StageOutput.resolve`

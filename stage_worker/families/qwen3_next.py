@@ -2,11 +2,10 @@
 request) with a gated full-attention layer every `full_attention_interval`; MoE MLPs with a shared
 expert (mlx-lm's blocks as they are).
 
-A recurrent layer's state lives in the pool by block id, one row per id (`paged_kv.KVPool.state`):
-the request's first block of its KV cache group's table holds it (vLLM's "none" mamba mode: no
-prefix caching, a request's state is recomputed after preemption). The recurrence itself is
-mlx-lm's module, called per prefill request, and once for all decodes of a step with their states
-gathered into one batch.
+A recurrent layer's state lives in the pool by block id, one row per id (`paged_kv.KVPool.state`),
+in the blocks vLLM's hybrid manager gives the layer's KV cache group (a MambaSpec group; which
+block holds which state: `batch.StateRows`). The recurrence itself is mlx-lm's module, called per
+prefill request, and once for all decodes of a step with their states gathered into one batch.
 """
 
 import mlx.core as mx
@@ -57,33 +56,32 @@ class GatedPagedAttention(PagedAttention):
 
 
 class PagedGatedDeltaNet(nn.Module):
-    """mlx-lm's Qwen3NextGatedDeltaNet with its conv and recurrent states in the pool."""
+    """mlx-lm's Qwen3NextGatedDeltaNet with its conv and recurrent states in the pool, read and
+    written at the rows `batch.StateRows` gives each request."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner = inner
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-        attn = cache.attn
-        rows = attn.block_tables[:, 0]  # each request's state row
-        starts = [s - n for s, n in zip(attn.seq_lens_host, attn.query_lens_host)]
-        conv, recurrent = cache.pool.state(cache.layer_index)
-        if all(n == 1 for n in attn.query_lens_host):  # a decode-only step: one call over all requests
-            return self._run(x[0][:, None], rows, [s > 0 for s in starts], conv, recurrent, cache)[:, 0][None]
-        outputs, begin = [], 0
-        for r, n in enumerate(attn.query_lens_host):
-            outputs.append(self._run(x[:, begin : begin + n], rows[r : r + 1], [starts[r] > 0], conv, recurrent,
-                                     cache))
-            begin += n
-        return mx.concatenate(outputs, axis=1)
-
-    def _run(self, x, rows, resumes, conv, recurrent, cache) -> mx.array:
-        """x: [B, S, hidden] for B requests whose states are at `rows`; a request starting at
-        position 0 starts from zero states, whatever its row held before."""
-        keep = mx.array(resumes)
-        state = ArraysCache(size=2)
-        state[0] = mx.where(keep[:, None, None], conv[rows], 0).astype(x.dtype)
-        state[1] = mx.where(keep[:, None, None, None], recurrent[rows], 0)
-        out = self.inner(x, None, state)
-        cache.pool.write_state(cache.layer_index, rows, state[0], state[1])
+        lens = cache.attn.query_lens_host
+        conv, recurrent = cache.pool.read_state(cache.layer_index, cache.state)
+        if all(n == 1 for n in lens):  # a decode-only step: one call over all requests
+            out, conv, recurrent = self._run(x[0][:, None], conv, recurrent)
+            out = out[:, 0][None]
+        else:
+            outs, convs, recurrents, begin = [], [], [], 0
+            for r, n in enumerate(lens):
+                o, c, s = self._run(x[:, begin : begin + n], conv[r : r + 1], recurrent[r : r + 1])
+                outs.append(o), convs.append(c), recurrents.append(s)
+                begin += n
+            out, conv, recurrent = mx.concatenate(outs, axis=1), mx.concatenate(convs), mx.concatenate(recurrents)
+        cache.pool.write_state(cache.layer_index, cache.state.write, conv, recurrent)
         return out
+
+    def _run(self, x, conv, recurrent):
+        """x: [B, S, hidden] for B requests with these states; returns the output and the new states."""
+        state = ArraysCache(size=2)
+        state[0], state[1] = conv.astype(x.dtype), recurrent
+        out = self.inner(x, None, state)
+        return out, state[0], state[1]

@@ -1,7 +1,7 @@
 """What Gemma 3's sliding-window layers save in KV: the bytes one request of a given context holds
 over all stages, with vLLM's hybrid KV cache (sliding layers keep their window) against every layer
 keeping everything (what a stage held before). The grouping is vLLM's own, of the specs the executor
-gives it (`executor.kv_cache_specs`); each stage's pool layout is `KVLayout.of_stage`, as a stage
+gives it (`kv_specs.kv_cache_specs`); each stage's pool layout is `KVLayout.of_stage`, as a stage
 builds it. Only the layer pattern matters for the ratio, so the model is a tiny random one with
 Gemma-3-27B's pattern (62 layers, 5 sliding : 1 global, window 1024); the absolute figures use
 Gemma-3-27B's K/V width (16 KV heads x 128, bfloat16). No GPU, no weights downloaded.
@@ -31,7 +31,7 @@ def groups_for(folder: Path, ranges):
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
 
-    from metal_cluster.coordinator.executor import KV_LAYOUTS, global_kv_groups, kv_cache_specs
+    from metal_cluster.coordinator.kv_specs import KV_LAYOUTS, global_kv_groups, kv_cache_specs
     from metal_cluster.stage_worker.families import family_of
     from metal_cluster.stage_worker.model_source import resolve_model
 

@@ -23,7 +23,7 @@ from vllm.outputs import RequestError
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
-from metal_cluster.coordinator import load_progress, replan, start_times
+from metal_cluster.coordinator import kv_specs, load_progress, replan, start_times
 from metal_cluster.coordinator.cluster_control import CONTROL_KEY, ClusterControl
 from metal_cluster.coordinator.cluster_scheduler import loss_output
 from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV
@@ -39,7 +39,6 @@ from metal_cluster.coordinator.stages import (
 from metal_cluster.coordinator.step_translation import StepTranslator, to_runner_output
 from metal_cluster.stage_worker.dtypes import from_name
 from metal_cluster.stage_worker.families import family_of
-from metal_cluster.stage_worker.kv_layout import layer_groups
 from metal_cluster.stage_worker.memory import KVBudget, MemoryBudgetError
 from metal_cluster.stage_worker.paged_kv import request_bytes
 
@@ -47,8 +46,6 @@ from metal_cluster.stage_worker.paged_kv import request_bytes
 log = logging.getLogger("vllm.metal_cluster.executor")
 
 RING_TIMEOUT_S = 60
-# vLLM's name for the layout a stage's pool has: a layer's blocks after another's (`paged_kv.py`).
-KV_LAYOUTS = ["LBNHC"]
 FENCE_WATCH_S = 600  # how long a lost stage is watched for, to fence it if it answers again
 LOCAL = "local"  # the address of the in-process stage of a single-machine server
 
@@ -60,32 +57,6 @@ def _done(value=None, error=None) -> Future:
     else:
         future.set_result(value)
     return future
-
-
-def kv_cache_specs(caches, ranges, dtypes, block_size: int, cache_dtype: str) -> list[dict]:
-    """vLLM's KV cache spec of every layer, one dict per stage (vLLM groups them)."""
-    return [{f"model.layers.{i}.self_attn.attn": _layer_spec(caches[i], dtype, block_size, cache_dtype)
-             for i in range(a, b)} for (a, b), dtype in zip(ranges, dtypes)]
-
-
-def _layer_spec(cache, dtype, block_size: int, cache_dtype: str):
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
-
-    common = dict(block_size=block_size, num_kv_heads=cache.kv_heads, head_size=cache.head_dim, dtype=dtype)
-    if cache.shared_kv:  # one latent entry per token, no separate V (MLA)
-        return MLAAttentionSpec(**common, cache_dtype_str=cache_dtype)
-    if cache.sliding_window:  # vLLM's hybrid KV manager then frees the blocks behind the window
-        return SlidingWindowSpec(**common, sliding_window=cache.sliding_window)
-    return FullAttentionSpec(**common)
-
-
-def global_kv_groups(kv_cache_configs) -> list[list[int]]:
-    """vLLM's KV cache groups over the whole model, as layer indices: each stage's config holds
-    its own layers of every group; the stages' layers are in order. One group: [] (the default)."""
-    per_stage = [layer_groups([g.layer_names for g in c.kv_cache_groups]) for c in kv_cache_configs]
-    if max(len(groups) for groups in per_stage) <= 1:
-        return []
-    return [sum((groups[g] for groups in per_stage), []) for g in range(len(per_stage[0]))]
 
 
 def _run(fn, non_block, *args):
@@ -111,6 +82,7 @@ class ClusterExecutor(Executor):
         self.addresses = [a for a in os.environ.get(STAGES_ENV, "").split(",") if a] or [LOCAL]
         self.pipeline = Pipeline([self._stage(a) for a in self.addresses])
         self._refuse_unservable()
+        self._align_block_size()
         num_layers = self.model_config.hf_config.num_hidden_layers
         planned = os.environ.get(LAYERS_ENV)
         self.ranges = ([tuple(int(x) for x in r.split("-")) for r in planned.split(",")] if planned
@@ -154,6 +126,17 @@ class ClusterExecutor(Executor):
             logging.shutdown()
             os._exit(3)
 
+    def _align_block_size(self) -> None:
+        """With recurrent layers, a block big enough that a K/V page holds a state page (vLLM's
+        hybrid manager needs one page size); in "align" mode a state block is a block too."""
+        cache = self.cache_config
+        size = kv_specs.hybrid_block_size(self._layer_caches(), cache.block_size)
+        if size != cache.block_size:
+            log.info("block size %d tokens (was %d): a K/V page holds a Gated DeltaNet state", size, cache.block_size)
+            cache.block_size = size
+        if cache.mamba_cache_mode == "align":
+            cache.mamba_block_size = cache.block_size
+
     @property
     def model_name(self) -> str:
         return os.path.basename(self.model_config.model)
@@ -178,11 +161,12 @@ class ClusterExecutor(Executor):
 
         # Each stage's own KV dtype, so that vLLM's page size, and with it its block count, is the real one.
         dtypes = [getattr(torch, r.dtype or "float32") for r in self.assigned]
-        return kv_cache_specs(self._layer_caches(), self.ranges, dtypes, self.cache_config.block_size,
-                              self.cache_config.cache_dtype)
+        cache = self.cache_config
+        return kv_specs.kv_cache_specs(self._layer_caches(), self.ranges, dtypes, cache.block_size, cache.cache_dtype,
+                                       cache.mamba_block_size or 0, cache.mamba_cache_mode)
 
     def get_supported_kv_cache_layouts(self):
-        return [KV_LAYOUTS] * len(self.pipeline)
+        return [kv_specs.KV_LAYOUTS] * len(self.pipeline)
 
     def set_kv_cache_layout(self, layout_name, cp_kv_cache_interleave_size) -> None:
         pass
@@ -210,17 +194,22 @@ class ClusterExecutor(Executor):
                 logging.shutdown()
                 os._exit(3)
         usable = self.usable_blocks()
-        budgets = [min(r.kv_budget_bytes, usable * r.bytes_per_block) for r in self.assigned]
+        specs = self.get_kv_cache_specs()
+        groups, by_index = kv_specs.vllm_groups(self.vllm_config, specs)
+        ours = kv_specs.pool_bytes_per_block(caches, self.ranges, [r.dtype or "float32" for r in self.assigned],
+                                             self.cache_config.block_size, by_index)
+        budgets = [min(r.kv_budget_bytes, usable * cost) for r, cost in zip(self.assigned, ours)]
         if budgets != [r.kv_budget_bytes for r in self.assigned]:
             log.info("KV pool capped at %d blocks: all that %d requests of %d tokens can use (--max-num-seqs x "
                      "--max-model-len); the memory share would hold %d", usable, self.scheduler_config.max_num_seqs,
                      self.model_config.max_model_len,
-                     min(r.kv_budget_bytes // max(r.bytes_per_block, 1) for r in self.assigned))
-        return budgets
+                     min(r.kv_budget_bytes // cost for r, cost in zip(self.assigned, ours)))
+        return [budget * kv_specs.vllm_bytes_per_block(groups, spec) // cost
+                for budget, spec, cost in zip(budgets, specs, ours)]
 
     def initialize_from_config(self, kv_cache_configs) -> None:
         self.num_blocks = min(c.num_blocks for c in kv_cache_configs)
-        self.kv_groups = global_kv_groups(kv_cache_configs)
+        self.kv_groups = kv_specs.global_kv_groups(kv_cache_configs)
         block_size = self.cache_config.block_size
         wire = wire_dtype([r.dtype for r in self.assigned])
         with load_progress.reported(self.pipeline.stages, lambda line: log.info("%s", line)):

@@ -36,11 +36,12 @@ def register_models() -> None:
         return
     from vllm import ModelRegistry
 
-    from metal_cluster.coordinator.vllm_stub_model import MLXExecutedModel
+    from metal_cluster.coordinator.vllm_stub_model import MLXExecutedHybridModel, MLXExecutedModel
     from metal_cluster.stage_worker.families import FAMILIES
 
-    for arch in {a for f in FAMILIES for a in f.architectures}:
-        ModelRegistry.register_model(arch, MLXExecutedModel)
+    for family in FAMILIES:
+        for arch in family.architectures:
+            ModelRegistry.register_model(arch, MLXExecutedHybridModel if family.hybrid else MLXExecutedModel)
 
 
 def _noop(cls, *args, **kwargs):
@@ -79,8 +80,9 @@ class MetalClusterPlatform(Platform):
 
     @classmethod
     def support_hybrid_kv_cache(cls) -> bool:
-        # Sliding-window layers get their own KV cache groups (executor.get_kv_cache_specs), whose
-        # blocks behind the window vLLM frees; the stages read a block table per group.
+        # Sliding-window and recurrent layers get KV cache groups of their own (kv_specs.py): vLLM
+        # frees a sliding group's blocks behind its window and keeps recurrent states per block; the
+        # stages read a block table per group.
         return True
 
     @classmethod

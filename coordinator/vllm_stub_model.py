@@ -22,3 +22,10 @@ class MLXExecutedModel(nn.Module):
 
     def make_empty_intermediate_tensors(self, batch_size, dtype, device):
         raise NotImplementedError("metal-cluster stages pass hidden states over the MLX ring, not torch")
+
+
+class MLXExecutedHybridModel(MLXExecutedModel):
+    """A model with recurrent (Gated DeltaNet) layers beside attention: vLLM then runs its hybrid
+    KV cache manager over MambaSpec groups and, with prefix caching, its "align" mamba mode."""
+
+    is_hybrid = True

@@ -61,7 +61,7 @@ def test_vllm_kv_spec_is_mla(tiny_deepseek):
     import torch
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    from metal_cluster.coordinator.executor import kv_cache_specs
+    from metal_cluster.coordinator.kv_specs import kv_cache_specs
 
     config = json.loads((tiny_deepseek / "config.json").read_text())
     cache = family_of(config, "x").layer_caches(config)[0]

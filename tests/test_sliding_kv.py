@@ -54,7 +54,7 @@ def cluster(gemma, monkeypatch):
 
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 
-    from metal_cluster.coordinator.executor import KV_LAYOUTS, global_kv_groups, kv_cache_specs
+    from metal_cluster.coordinator.kv_specs import KV_LAYOUTS, global_kv_groups, kv_cache_specs
 
     folder = gemma[0]
     config = EngineArgs(model=str(folder), max_model_len=256, enforce_eager=True, block_size=BLOCK,

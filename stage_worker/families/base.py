@@ -52,6 +52,8 @@ class Family:
     reads_sliding_window = True
     # What keeps `serve` and `up` from serving the family yet, when its stages already run it.
     serving_gap: str | None = None
+    # Some layers are recurrent (LayerCache.state_shapes): vLLM must treat the model as hybrid.
+    hybrid = False
 
     # --- the paged pool ----------------------------------------------------------------------------
     def layer_caches(self, config: dict) -> list[LayerCache]:

@@ -20,8 +20,7 @@ class Qwen3Next(Family):
     model_types = ("qwen3_next",)
     architectures = ("Qwen3NextForCausalLM",)
     reads_sliding_window = False
-    serving_gap = ("its Gated DeltaNet states are not yet given to vLLM's hybrid (Mamba) KV cache manager; "
-                   "the stages run it (`metal-cluster generate` serves one prompt)")
+    hybrid = True
 
     def layer_caches(self, config: dict) -> list[LayerCache]:
         kv_heads, head_dim = self.kv_geometry(config)

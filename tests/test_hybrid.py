@@ -7,6 +7,7 @@ import pytest
 from mlx_lm.utils import load
 
 import tiny_models
+from references import mlx_lm_greedy
 from test_families import test_stage_chain_equals_whole_model  # noqa: F401  (layer 2: the first attention layer)
 from test_runner import (PROMPTS, test_chunked_prefill_mixed_with_decodes,  # noqa: F401
                          test_eight_requests_packed_in_one_batch, test_one_request, test_preempted_and_resumed)
@@ -19,3 +20,62 @@ def family(request, tmp_path_factory):
     folder = tiny_models.build_tiny_model(request.param, tmp_path_factory.mktemp(request.param), num_layers=6)
     ref_model, tokenizer = load(str(folder))
     return resolve_model(folder), ref_model, [tokenizer.encode(p) for p in PROMPTS]
+
+
+# --- through `serve`: vLLM's hybrid KV cache manager over MambaSpec groups, align mode ---------------
+# 24 blocks (of 48 tokens: the block size that makes a K/V page hold a state page) cannot hold 8
+# requests at once, so the packed run preempts and recomputes; 64-token batches chunk the prompts.
+SERVE_ARGS = ["--gpu-memory-utilization", "0.05", "--max-model-len", "512", "--max-num-batched-tokens", "64",
+              "--max-num-seqs", "8", "--num-gpu-blocks-override", "24", "--enable-prompt-tokens-details",
+              "--served-model-name", "m"]
+
+
+@pytest.fixture(scope="module")
+def hybrid_model(tmp_path_factory):
+    return tiny_models.build_tiny_model("qwen3_next", tmp_path_factory.mktemp("qwen3_next-serve"), num_layers=6)
+
+
+def _metric(url, name) -> float:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        return sum(float(line.split()[-1]) for line in r.read().decode().splitlines() if line.startswith(name))
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_serve_matches_mlx_lm_with_prefix_hits_preemption_and_no_leaks(hybrid_model, stages, tmp_path):
+    """6 layers, attention at 2 and 5: -pp 2 cuts between a GDN run and attention ([0,3) [3,6)),
+    -pp 3 inside a GDN run too ([0,2) [2,4) [4,6)). A 3-block prefix of a finished request is a
+    cache hit that resumes from its saved state; 8 packed requests of mixed lengths preempt each
+    other; afterwards no block (state or K/V) is held anywhere."""
+    import concurrent.futures
+
+    import httpx
+    import openai
+    from server_process import running_server
+    from test_pipeline import greedy
+    from test_serve import _wait_kv_free
+
+    ref_model, tokenizer = load(str(hybrid_model))
+    base = tokenizer.encode(" ".join(PROMPTS) * 3)
+    assert len(base) > 3 * 48 + 8
+    args = SERVE_ARGS + (["-pp", str(stages)] if stages > 1 else [])
+    with running_server(hybrid_model, *args, log_path=tmp_path / "server.log") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+        first, second = base[:150], base[:144] + base[160:170]
+        assert greedy(client, first, 8) == mlx_lm_greedy(ref_model, first, 8)
+        r = client.completions.create(model="m", prompt=second, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert r.usage.prompt_tokens_details.cached_tokens == 144, r.usage
+        assert r.choices[0].token_ids == mlx_lm_greedy(ref_model, second, 8)
+
+        prompts = [base[7 * i : 7 * i + 20 + 17 * i] for i in range(8)]
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(lambda ids: greedy(client, ids, 24), prompts))
+        assert got == [mlx_lm_greedy(ref_model, ids, 24) for ids in prompts]
+        assert _metric(url, "vllm:num_preemptions_total") > 0, "nothing was preempted: the test lost its point"
+
+        body = {"model": "m", "prompt": base[:60], "max_tokens": 400, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
+            next(line for line in stream.iter_lines() if line.startswith("data: {"))  # aborted mid-stream
+        _wait_kv_free(url)

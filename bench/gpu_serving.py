@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Serving on a GPU: this project's stages vs mlx-lm, same model folders, same run.
 
-Random-weight folders of Qwen3-8B (or, with --shape qwen3-30b-a3b, the MoE Qwen3-30B-A3B; bf16, and mlx-lm's 4-bit
+Random-weight folders of Qwen3-8B (or, with --shape qwen3-30b-a3b, the MoE Qwen3-30B-A3B, or with --shape
+qwen3-next 12 layers of the hybrid Qwen3-Next-80B-A3B; bf16, and mlx-lm's 4-bit
 into --work-dir. Then, per format, one after the other in this process:
 
 - mlx-lm: `mlx_lm.utils.load(folder)`; `generate_step` at batch 1, `BatchGenerator` at batch 32;
@@ -75,6 +76,19 @@ QWEN3_30B_A3B = dict(
     tie_word_embeddings=False, torch_dtype="bfloat16", max_position_embeddings=40960, hidden_act="silu",
     attention_bias=False, rope_scaling=None,
 )
+# Qwen3-Next-80B-A3B's layers (Gated DeltaNet : attention 3 : 1, 512 experts, 10 per token), 12 of
+# its 48 (3 attention layers): per-layer costs are the model's, and 4-bit random weights fit the
+# device's disk twice over (mlx-lm's folder and ours are one).
+QWEN3_NEXT = dict(
+    architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", num_hidden_layers=12, hidden_size=2048,
+    intermediate_size=5120, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=512,
+    num_experts_per_tok=10, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_value_heads=32,
+    linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    full_attention_interval=4, partial_rotary_factor=0.25, vocab_size=151936, rope_theta=10000000.0,
+    rms_norm_eps=1e-6, tie_word_embeddings=False, torch_dtype="bfloat16", max_position_embeddings=262144,
+    hidden_act="silu", attention_bias=False, rope_scaling=None,
+)
 # Same family and code paths, small enough for MLX's CPU backend; head_dim stays a multiple of 32
 # and every matrix's input a multiple of 64, so the paged kernel and 4-bit group-64 both apply.
 SMALL = {**QWEN3_8B, "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 768,
@@ -82,7 +96,12 @@ SMALL = {**QWEN3_8B, "num_hidden_layers": 4, "hidden_size": 256, "intermediate_s
 SMALL_MOE = {**QWEN3_30B_A3B, "num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 768,
              "moe_intermediate_size": 128, "num_experts": 16, "num_experts_per_tok": 4,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 4096}
-SHAPES = {"qwen3-8b": (QWEN3_8B, SMALL), "qwen3-30b-a3b": (QWEN3_30B_A3B, SMALL_MOE)}
+SMALL_NEXT = {**QWEN3_NEXT, "num_hidden_layers": 4, "hidden_size": 256, "moe_intermediate_size": 128,
+              "shared_expert_intermediate_size": 128, "num_experts": 16, "num_experts_per_tok": 4,
+              "num_attention_heads": 4, "head_dim": 64, "linear_num_value_heads": 4, "linear_num_key_heads": 2,
+              "linear_key_head_dim": 64, "linear_value_head_dim": 64, "vocab_size": 4096}
+SHAPES = {"qwen3-8b": (QWEN3_8B, SMALL), "qwen3-30b-a3b": (QWEN3_30B_A3B, SMALL_MOE),
+          "qwen3-next": (QWEN3_NEXT, SMALL_NEXT)}
 
 
 @dataclass

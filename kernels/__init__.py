@@ -12,6 +12,7 @@ by the reference, whose per-request SDPA uses the matrix units.
 
 import mlx.core as mx
 
+from metal_cluster.kernels import gdn as _gdn
 from metal_cluster.kernels import gpu as _fast
 from metal_cluster.kernels.metadata import AttentionMetadata
 from metal_cluster.kernels.reference import paged_attention_reference
@@ -38,6 +39,18 @@ PREFILL_KERNEL_MAX_WORK = 512 * 512
 # at 8 decodes x 1K beside a 128-token chunk (H200: 415 vs 271 us), while 31 decodes x 2K is 2-4x
 # faster on the decode kernel.
 DECODE_SPLIT_MIN_CONTEXT = 16384
+
+
+def gated_delta(q, k, v, g, beta, state):
+    """The Gated DeltaNet recurrence over T steps for B requests (shapes: `gdn.py`): the
+    kernel on a GPU, mlx-lm's ops elsewhere (its reference). Returns (y, new float32 state)."""
+    backend = gpu_backend()
+    if backend is None or g.ndim != 3 or not _gdn.supports(q, v):
+        from mlx_lm.models.gated_delta import gated_delta_ops
+
+        return gated_delta_ops(q, k, v, g, beta, state)
+    y, new_state = _gdn.gated_delta_kernel(q, k, v, g, beta, state, backend)
+    return y, new_state
 
 
 def paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, scale: float, sliding_window=None, sinks=None):

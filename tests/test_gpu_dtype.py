@@ -150,7 +150,7 @@ def bf16_tolerance(bf16_error: np.ndarray) -> float:
 GPU_TOKENS = 32
 
 
-@pytest.fixture(scope="module", params=tiny_models.FAMILIES + tiny_models.MORE_FAMILIES)
+@pytest.fixture(scope="module", params=tiny_models.FAMILIES + tiny_models.MORE_FAMILIES + tiny_models.HYBRID_FAMILIES)
 def bf16_run(request, tmp_path_factory):
     """One family in bf16: mlx-lm's greedy tokens and logits per prompt (bf16, and float32 on the same
     history), and the stage's logits and tokens along mlx-lm's history.

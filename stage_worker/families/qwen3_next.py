@@ -10,7 +10,9 @@ prefill request, and once for all decodes of a step with their states gathered i
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.gated_delta import compute_g, normalize_qk
+
+from metal_cluster.kernels import gated_delta
 
 from metal_cluster.stage_worker.attention import PagedAttention
 from metal_cluster.stage_worker.families.base import Family, LayerCache
@@ -79,8 +81,19 @@ class PagedGatedDeltaNet(nn.Module):
         return out
 
     def _run(self, x, conv, recurrent):
-        """x: [B, S, hidden] for B requests with these states; returns the output and the new states."""
-        state = ArraysCache(size=2)
-        state[0], state[1] = conv.astype(x.dtype), recurrent
-        out = self.inner(x, None, state)
-        return out, state[0], state[1]
+        """x: [B, S, hidden] for B requests with these states; returns the output and the new
+        states. mlx-lm's module, step by step, with the recurrence on `kernels.gated_delta`
+        (mlx-lm loops over tokens in Python on every backend but Metal)."""
+        a = self.inner
+        B, S, _ = x.shape
+        q, k, v, z, b, gate = a.fix_query_key_value_ordering(a.in_proj_qkvz(x), a.in_proj_ba(x))
+        mixed = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+        conv_input = mx.concatenate([conv.astype(x.dtype), mixed], axis=1)
+        new_conv = conv_input[:, -(a.conv_kernel_size - 1):]
+        conv_out = nn.silu(a.conv1d(conv_input))
+        q, k, v = (t.reshape(B, S, h, d) for t, h, d in zip(
+            mx.split(conv_out, [a.key_dim, 2 * a.key_dim], -1), (a.num_k_heads, a.num_k_heads, a.num_v_heads),
+            (a.head_k_dim, a.head_k_dim, a.head_v_dim)))
+        q, k = normalize_qk(q, k, inv_scale=a.head_k_dim**-0.5, eps=1e-6)
+        out, state = gated_delta(q, k, v, compute_g(a.A_log, gate, a.dt_bias), mx.sigmoid(b), recurrent)
+        return a.out_proj(a.norm(out, z).reshape(B, S, -1)), new_conv, state

@@ -3,10 +3,11 @@
 Stages go in ring order: the coordinator's own host first (it holds the embedding), then wired
 hosts before Wi-Fi ones, larger memory first. Each host takes layers in proportion to what it can
 hold at the requested memory share: per layer its weights plus that layer's KV for `kv_tokens`
-tokens, never weights alone, after the fixed costs of its position (embedding, head, activations).
+tokens (a recurrent layer: one request's state, whatever the context), never weights alone, after
+the fixed costs of its position (embedding, head, activations).
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 GIB = 2**30
@@ -34,6 +35,7 @@ class ModelCost:
     embed_bytes: int  # first stage only
     head_bytes: int  # last stage only: norm + lm_head (the embedding again when tied)
     activation_bytes: int = 0  # reserve on every stage
+    state_bytes: list[int] = field(default_factory=list)  # per layer: one request's recurrent state (or 0)
 
     @property
     def num_layers(self) -> int:
@@ -55,7 +57,8 @@ class ModelCost:
         measured = weight_bytes(Path(folder), config, float32=not on_gpu) if folder else None
         if measured is None:
             return estimate
-        return cls(measured.layers, estimate.kv_bytes_per_token, measured.embed, measured.head, activation_bytes)
+        return cls(measured.layers, estimate.kv_bytes_per_token, measured.embed, measured.head, activation_bytes,
+                   estimate.state_bytes)
 
     @classmethod
     def from_config(cls, config: dict, on_gpu: bool = False, activation_bytes: int = 256 * 2**20) -> "ModelCost":
@@ -73,10 +76,12 @@ class ModelCost:
         family = REGISTRY.get(config.get("model_type")) or Family()
         # As each layer lays out its pool: an MLA layer keeps one latent entry, far less than GQA
         # arithmetic on its heads would say.
-        kv = [c.values_per_token * kv_bytes for c in family.layer_caches(config)]
+        caches = family.layer_caches(config)
+        kv = [c.values_per_token * kv_bytes for c in caches]
+        states = [c.block_bytes(0, kv_bytes) if c.state_shapes else 0 for c in caches]
         return cls([int(layer * bytes_per_param)] * config["num_hidden_layers"], kv,
                    embed_bytes=int(embed * bytes_per_param), head_bytes=int((embed + hidden) * bytes_per_param),
-                   activation_bytes=activation_bytes)
+                   activation_bytes=activation_bytes, state_bytes=states)
 
 
 def half_or_float32(config: dict) -> int:
@@ -108,7 +113,8 @@ def plan(hosts: list[Host], cost: ModelCost, utilization: float, kv_tokens: int)
     if not hosts:
         raise PlacementError("no hosts to place the model on")
     ordered = ring_order(hosts)
-    per_layer = [w + kv * kv_tokens for w, kv in zip(cost.layer_bytes, cost.kv_bytes_per_token)]
+    states = cost.state_bytes or [0] * cost.num_layers
+    per_layer = [w + kv * kv_tokens + s for w, kv, s in zip(cost.layer_bytes, cost.kv_bytes_per_token, states)]
     # The first and last stage carry extra weights; which hosts end up there depends on who is used,
     # so charge them to the first and last host of the ring order.
     room = []

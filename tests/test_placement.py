@@ -106,3 +106,25 @@ def test_moe_layers_cost_what_their_headers_say(tmp_path):
     for s, host in zip(stages, hosts):
         fixed = cost.embed_bytes if s.start == 0 else cost.head_bytes
         assert sum(cost.layer_bytes[s.start:s.end]) + fixed <= 0.5 * host.memory_total
+
+
+def test_recurrent_layers_cost_one_state_whatever_the_context(tmp_path):
+    """Qwen3-Next: its Gated DeltaNet layers hold no K/V but one state per request, which a
+    longer context does not grow; its attention layers hold K/V per token."""
+    import json
+
+    import tiny_models
+
+    from metal_cluster.stage_worker.families import REGISTRY
+
+    config = json.loads((tiny_models.build_tiny_model("qwen3_next", tmp_path, num_layers=6) / "config.json").read_text())
+    cost = ModelCost.from_config(config)
+    recurrent = [i for i, c in enumerate(REGISTRY["qwen3_next"].layer_caches(config)) if c.state_shapes]
+    assert recurrent and all(cost.state_bytes[i] > 0 and cost.kv_bytes_per_token[i] == 0 for i in recurrent)
+    assert all(cost.state_bytes[i] == 0 and cost.kv_bytes_per_token[i] > 0 for i in range(6) if i not in recurrent)
+    need = sum(cost.layer_bytes) + sum(cost.state_bytes) + 100 * sum(cost.kv_bytes_per_token)
+    roomy, tight = (Host(n, f"{n}:1", int((need + cost.activation_bytes + cost.embed_bytes + cost.head_bytes) / 0.5)
+                         + extra) for n, extra in (("a", 1 << 20), ("b", -(1 << 10))))
+    assert plan([roomy], cost, 0.5, 100)[0].end == 6
+    with pytest.raises(PlacementError):  # the states are counted: without them it would fit
+        plan([tight], cost, 0.5, 100)

@@ -215,15 +215,17 @@ class ClusterExecutor(Executor):
         with load_progress.reported(self.pipeline.stages, lambda line: log.info("%s", line)):
             started = self.pipeline.start(self.num_blocks, replan.ring_hosts(self.pipeline.stages, self.healths),
                                           RING_TIMEOUT_S, wire, self.kv_groups)
-        kv = ", ".join(sorted({f"{r.dtype}: {r.bytes_per_block / block_size / 1024:.1f} KiB per token"
-                               for r in self.assigned}))
-        groups = (f"; {len(self.kv_groups)} KV cache groups, sliding-window layers hold only their window"
-                  if len(self.kv_groups) > 1 else "")
+        # What a block id costs the pools as laid out for vLLM's groups (a sliding group's window,
+        # recurrent states beside K/V), not one array per layer.
+        costs = kv_specs.pool_bytes_per_block(self._layer_caches(), self.ranges,
+                                              [r.dtype or "float32" for r in self.assigned], block_size, self.kv_groups)
+        kv = ", ".join(sorted({f"{r.dtype}: {cost / block_size / 1024:.1f} KiB per token"
+                               for r, cost in zip(self.assigned, costs)}))
+        groups = f"; {len(self.kv_groups)} KV cache groups" if len(self.kv_groups) > 1 else ""
         log.info("KV cache: %d blocks x %d tokens = %d tokens on every stage (%s)%s%s", self.num_blocks, block_size,
                  self.num_blocks * block_size, kv, groups,
                  f"; hidden states travel as {wire}" if len(self.pipeline) > 1 else "")
-        log.info("%s", start_times.line(self.assigned, started, self.num_blocks * sum(
-            r.bytes_per_block for r in self.assigned)))
+        log.info("%s", start_times.line(self.assigned, started, self.num_blocks * sum(costs)))
         run_dir = os.environ.get(RUN_DIR_ENV)
         self.monitor = Monitor(self.pipeline, self.ranges, self.model_name, Path(run_dir) if run_dir else None,
                                self.control, self.stage_timeout_s, on_lost=self._lose)

@@ -14,7 +14,8 @@ uses this script's loop over the official `openai` client instead, and it takes 
 tokens/s over the run. A table at the end; every number into --json (rewritten after each run).
 
 On the GPU machine (see bench/gpu_machine.sh: MLX CUDA, vLLM and its deps in /tmp/site):
-    python3 bench/gpu_e2e.py --json $OUT/gpu_e2e.json [--concurrency 1 8 32]
+    python3 bench/gpu_e2e.py --prepare-only       (the model folder, ~16 GB in /tmp/gpu-serving)
+    python3 bench/gpu_e2e.py [--concurrency 1 8 32] (numbers into $OUT/gpu_e2e.json)
 Here, the whole path on a tiny shape (MLX's CPU backend, a few minutes):
     .venv/bin/python bench/gpu_e2e.py --tiny
 """
@@ -257,6 +258,8 @@ def main():
     p.add_argument("--start-timeout", type=float, default=480, help="seconds each server may take to start")
     p.add_argument("--run-timeout", type=float, default=600, help="seconds one measurement may take")
     p.add_argument("--json", type=Path, help="every number, rewritten after each run (default $OUT/gpu_e2e.json)")
+    p.add_argument("--prepare-only", action="store_true",
+                   help="write the model folder and stop (a device call of its own; later runs reuse it)")
     args = p.parse_args()
     args.concurrency = args.concurrency or ([1, 8] if args.tiny else [1, 8, 32])
     args.input_len = args.input_len or (64 if args.tiny else 1024)
@@ -271,10 +274,10 @@ def main():
     results = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    device=gpu_serving.device_info(), versions=gpu_serving.versions(),
                    args={k: str(v) for k, v in vars(args).items()}, runs={})
-    with contextlib.suppress(Exception):
-        import vllm
+    with contextlib.suppress(Exception):  # without importing vLLM here (seconds, and torch with it)
+        import importlib.metadata
 
-        results["versions"]["vllm"] = vllm.__version__
+        results["versions"].update({d: importlib.metadata.version(d) for d in ("vllm", "torch", "transformers")})
     print(f"device {results['device']['mlx_device']}, mlx {mx.__version__}", flush=True)
 
     def save():
@@ -286,6 +289,9 @@ def main():
     folder = model_folder(args.work_dir, args.tiny)
     results["folder"] = str(folder)
     results["folder_s"] = time.perf_counter() - t0
+    if args.prepare_only:
+        print(f"model folder {folder} ready ({results['folder_s']:.0f}s)")
+        return
     logs = args.json.parent if args.json else Path(tempfile.mkdtemp(prefix="gpu-e2e-"))
     work = logs / "runs"  # each run's raw results and the client's log
     work.mkdir(parents=True, exist_ok=True)

@@ -296,7 +296,7 @@ def main():
     work = logs / "runs"  # each run's raw results and the client's log
     work.mkdir(parents=True, exist_ok=True)
     max_len = args.input_len + args.output_len + 64
-    extra = ["--gpu-memory-utilization", str(args.memory_utilization), "--max-model-len", str(max_len),
+    extra = ["--gpu-memory-utilization", str(args.memory_utilization), "--max-num-batched-tokens", "2048", "--max-model-len", str(max_len),
              "--max-num-seqs", str(max(32, *args.concurrency))]
     state: dict = {}
     print(f"model folder {folder} ({results['folder_s']:.0f}s); starting both servers (logs in {logs})", flush=True)

@@ -28,6 +28,9 @@ from metal_cluster.stage_worker.runner import StageOutput, StageRunner, to_respo
 from metal_cluster.stage_worker.shard import load_shard
 
 
+# Float32 (tokens x tokens) arrays per attention head that one layer's attention may hold at once
+# (scores, their softmax, a mask, a cast): the most the activation fit lets grow with n^2.
+SCORE_ARRAYS = 8
 # The largest warm-up prefill a stage runs at start; larger --max-num-batched-tokens are extrapolated.
 WARM_UP_TOKENS = 256
 
@@ -231,13 +234,19 @@ class StageHost:
         """Activation bytes of a num_tokens prefill. Past WARM_UP_TOKENS, two small prefills fit
         a*n + c*n^2 (linear layers, and attention scores where attention materialises them) and the
         fit is read at num_tokens: on the CPU a 2048-token warm-up cost ~16x a 256-token one and
-        the fit lands within 1% of it (SmolLM2-135M). The larger of fit and measurement counts."""
+        the fit lands within 1% of it (SmolLM2-135M). The larger of fit and measurement counts.
+
+        The quadratic term is capped at what attention can materialise, one layer at a time: a few
+        float32 score arrays per head (SCORE_ARRAYS). On CUDA the two small prefills differ by more
+        than their work (MLX's memory pool grows in steps), and an uncapped fit read 351 GiB of
+        activations for an 8192-token batch of Qwen3-8B."""
         if num_tokens <= WARM_UP_TOKENS:
             return self._measure_activation_peak(num_tokens)
         n1, n2 = WARM_UP_TOKENS // 2, WARM_UP_TOKENS
         p1, p2 = self._measure_activation_peak(n1), self._measure_activation_peak(n2)
-        c = max(0.0, (p2 - 2 * p1) / (n2 * n2 - 2 * n1 * n1))
-        a = max(0.0, (p1 - c * n1 * n1) / n1)
+        heads = self.shard.config.get("num_attention_heads", 1)
+        c = min(max(0.0, (p2 - 2 * p1) / (n2 * n2 - 2 * n1 * n1)), SCORE_ARRAYS * 4 * heads)
+        a = max(0.0, (p2 - c * n2 * n2) / n2)
         return max(p2, int(a * num_tokens + c * num_tokens * num_tokens))
 
     def _measure_activation_peak(self, num_tokens: int) -> int:

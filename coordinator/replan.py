@@ -47,6 +47,7 @@ class Plan:
     ranges: list[tuple[int, int]]
     assigned: list[pb.AssignResponse]
     num_blocks: int
+    seconds: dict[str, float] = field(default_factory=dict)  # place, load (assign: weights + warm-up), start
 
 
 def shares_per_host(host_ids: list[str], utilization: float) -> list[float]:
@@ -130,13 +131,16 @@ def build(stages: list, healths: list, settings: Settings, say=lambda line: None
     """Load the layers on idle stages and start them: the new pipeline, ready for steps."""
     if not stages:
         raise ReplanError("no stage worker is left")
+    clock = [time.monotonic()]
     stages, healths, ranges = place(stages, healths, settings)
+    clock.append(time.monotonic())
     pipeline = Pipeline(stages)
     shares = shares_per_host([h.host_id for h in healths], settings.utilization)
     try:
         with load_progress.reported(stages, say):
             assigned = pipeline.assign(settings.model, ranges, settings.block_size, settings.max_num_batched_tokens,
                                        shares)
+        clock.append(time.monotonic())
         caches = settings.caches
         blocks = []
         for share, r, (a, b) in zip(shares, assigned, ranges):
@@ -148,7 +152,9 @@ def build(stages: list, healths: list, settings: Settings, say=lambda line: None
         num_blocks = min(min(blocks), settings.num_blocks)
         pipeline.start(num_blocks, ring_hosts(stages, healths), settings.ring_timeout_s,
                        wire_dtype([r.dtype for r in assigned]), settings.kv_groups)
+        clock.append(time.monotonic())
     except (StageCallError, MemoryBudgetError) as e:
         pipeline.close()
         raise ReplanError(str(e)) from None
-    return Plan(pipeline, ranges, assigned, num_blocks)
+    seconds = {k: b - a for k, a, b in zip(("place", "load", "start"), clock, clock[1:])}
+    return Plan(pipeline, ranges, assigned, num_blocks, seconds)

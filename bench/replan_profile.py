@@ -26,11 +26,12 @@ BLOCK_SIZE = 16
 NUM_BLOCKS = 1025  # what vLLM arrives at for `bench/faults.py`'s server (3 stages, 0.5 utilization)
 
 
-def settings(source) -> replan.Settings:
+def settings(source, activation_known=None) -> replan.Settings:
     config = source.config
     return replan.Settings(model=str(source.folder), config=config, block_size=BLOCK_SIZE, max_num_batched_tokens=256,
                            utilization=0.5, max_model_len=1024, num_blocks=NUM_BLOCKS, ring_timeout_s=60,
-                           caches=family_of(config, source.folder / "config.json").layer_caches(config))
+                           caches=family_of(config, source.folder / "config.json").layer_caches(config),
+                           activation_known=activation_known or {})
 
 
 def one_step(pipeline, step_id: int, req_id: str) -> float:
@@ -48,6 +49,7 @@ def one_replan(workers, source) -> dict:
     healths = [s.wait_ready(time.monotonic() + 60) for s in stages]
     plan = replan.build(stages, healths, settings(source))
     one_step(plan.pipeline, 0, "before")
+    peak = replan.measured_peak(plan.pipeline.stages, plan.assigned, {})
     victim = workers[1]
     clock = {"hit": time.monotonic()}
     os.kill(victim.pid, signal.SIGKILL)
@@ -57,8 +59,8 @@ def one_replan(workers, source) -> dict:
     clock["probe"] = time.monotonic()
     kept, healths = replan.reset_all(alive, "profile", time.monotonic() + replan.RESET_TIMEOUT_S)
     clock["restart"] = time.monotonic()
-    timings = []
-    plan = replan.build(kept, healths, settings(source), say=lambda line: None)
+    known = replan.activation_known([w.address for w in workers], peak)  # as the executor passes it
+    plan = replan.build(kept, healths, settings(source, known), say=lambda line: None)
     clock["load and start"] = time.monotonic()
     timings = [(r.load_seconds, r.warm_up_seconds) for r in plan.assigned]
     clock["first step"] = clock["load and start"] + one_step(plan.pipeline, 0, "after")

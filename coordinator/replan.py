@@ -39,6 +39,8 @@ class Settings:
     ring_timeout_s: float
     kv_groups: list[list[int]] = field(default_factory=list)  # vLLM's KV cache groups ([]: one)
     caches: list = field(default_factory=list)  # the family's LayerCache per layer
+    # Stage address -> the activation peak known for it from the plan before (stages not listed warm up).
+    activation_known: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -127,6 +129,24 @@ def place(stages: list, healths: list, settings: Settings) -> tuple[list, list, 
     return [s for s, _ in ordered], [h for _, h in ordered], [(p.start, p.end) for p in stage_plans]
 
 
+# A stage's activation peak at a given batch size hardly depends on how many layers it runs (MLX frees
+# each layer's intermediates before the next: SmolLM2's 256-token peak is 13.9 MB for 2 layers, 14.3 MB
+# for 30), so the previous plan's largest, whose stages between them ran every layer, with a margin
+# for a new mix of embedding and head, stands for any range on the same workers.
+ACTIVATION_MARGIN = 1.25
+
+
+def activation_known(addresses: list[str], measured_peak: int) -> dict[str, int]:
+    """What a re-plan may take as measured for each worker that ran a plan before: no second warm-up.
+    `measured_peak`: the largest activation peak those workers measured (not one passed to them)."""
+    return {a: int(measured_peak * ACTIVATION_MARGIN) for a in addresses} if measured_peak > 0 else {}
+
+
+def measured_peak(stages: list, assigned: list[pb.AssignResponse], known: dict[str, int]) -> int:
+    """The largest activation peak that stages measured themselves (those given one did not)."""
+    return max((r.activation_bytes for s, r in zip(stages, assigned) if s.name not in known), default=0)
+
+
 def build(stages: list, healths: list, settings: Settings, say=lambda line: None) -> Plan:
     """Load the layers on idle stages and start them: the new pipeline, ready for steps."""
     if not stages:
@@ -139,7 +159,7 @@ def build(stages: list, healths: list, settings: Settings, say=lambda line: None
     try:
         with load_progress.reported(stages, say):
             assigned = pipeline.assign(settings.model, ranges, settings.block_size, settings.max_num_batched_tokens,
-                                       shares)
+                                       shares, [settings.activation_known.get(s.name, 0) for s in stages])
         clock.append(time.monotonic())
         caches = settings.caches
         blocks = []

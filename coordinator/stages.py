@@ -197,13 +197,15 @@ class Pipeline:
         return len(self.stages)
 
     def assign(self, model: str, ranges: list[tuple[int, int]], block_size: int, max_tokens: int,
-               utilization: list[float]) -> list[pb.AssignResponse]:
+               utilization: list[float], activation_known: list[int] | None = None) -> list[pb.AssignResponse]:
+        """activation_known: per stage, an activation peak already measured (0: the stage warms up)."""
         reqs = [
             pb.AssignRequest(version=PROTO_VERSION, model=model, layer_start=a, layer_end=b, block_size=block_size,
                              max_num_batched_tokens=max_tokens, memory_utilization=share,
                              model_store=getattr(stage, "model_store", ""),
-                             manifest_sha256=getattr(stage, "manifest_sha256", ""))
-            for (a, b), share, stage in zip(ranges, utilization, self.stages)
+                             manifest_sha256=getattr(stage, "manifest_sha256", ""), activation_bytes_known=known)
+            for (a, b), share, stage, known in zip(ranges, utilization, self.stages,
+                                                   activation_known or [0] * len(self.stages))
         ]
         return list(self.pool.map(lambda sr: sr[0].assign(sr[1]), zip(self.stages, reqs)))
 

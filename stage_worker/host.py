@@ -81,8 +81,11 @@ class StageHost:
                 loaded = time.perf_counter()
                 self.block_size = req.block_size
                 weights = sum(v.nbytes for v in _params(self.shard.model))
-                self.phase = f"warming up ({min(req.max_num_batched_tokens, WARM_UP_TOKENS)}-token prefill)"
-                activation = self._activation_peak(req.max_num_batched_tokens)
+                if req.activation_bytes_known > 0:  # a re-plan: this worker measured it for the last plan
+                    activation = req.activation_bytes_known
+                else:
+                    self.phase = f"warming up ({min(req.max_num_batched_tokens, WARM_UP_TOKENS)}-token prefill)"
+                    activation = self._activation_peak(req.max_num_batched_tokens)
                 warmed = time.perf_counter()
             finally:
                 self.phase = ""

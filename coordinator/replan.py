@@ -170,11 +170,12 @@ def build(stages: list, healths: list, settings: Settings, say=lambda line: None
             layout = KVLayout.of_stage(settings.kv_groups, a, b)
             blocks.append(r.kv_budget_bytes // bytes_per_block(caches[a:b], settings.block_size, dtype, layout))
         num_blocks = min(min(blocks), settings.num_blocks)
-        pipeline.start(num_blocks, ring_hosts(stages, healths), settings.ring_timeout_s,
-                       wire_dtype([r.dtype for r in assigned]), settings.kv_groups)
+        started = pipeline.start(num_blocks, ring_hosts(stages, healths), settings.ring_timeout_s,
+                                 wire_dtype([r.dtype for r in assigned]), settings.kv_groups)
         clock.append(time.monotonic())
     except (StageCallError, MemoryBudgetError) as e:
         pipeline.close()
         raise ReplanError(str(e)) from None
     seconds = {k: b - a for k, a, b in zip(("place", "load", "start"), clock, clock[1:])}
+    seconds["of which KV allocate"] = max(r.kv_allocate_seconds for r in started)
     return Plan(pipeline, ranges, assigned, num_blocks, seconds)

@@ -127,6 +127,7 @@ class ClusterExecutor(Executor):
                 self.scheduler_config.max_num_batched_tokens, self.shares,
             )
         self.activation_peak = max(r.activation_bytes for r in self.assigned)  # measured: see replan.activation_known
+        self.placement_costs = {}  # see replan.Settings.costs
         for (a, b), r, stage in zip(self.ranges, self.assigned, self.pipeline.stages):
             log.info("stage %s: layers [%d, %d), %.2f GiB weights, %.2f GiB activations, KV budget %.2f GiB",
                      stage.name, a, b, r.weights_bytes / 2**30, r.activation_bytes / 2**30, r.kv_budget_bytes / 2**30)
@@ -240,6 +241,8 @@ class ClusterExecutor(Executor):
         self.monitor = Monitor(self.pipeline, self.ranges, self.model_name, Path(run_dir) if run_dir else None,
                                self.control, self.stage_timeout_s, on_lost=self._lose)
         self.monitor.start()
+        if len(self.pipeline) > 1:  # placement's cost of the model, ahead of a re-plan (it reads the headers)
+            replan.model_cost(self._settings(), on_gpu=all(h.device.endswith("gpu") for h in self.healths))
 
     def compile_or_warm_up_model(self) -> None:
         pass
@@ -447,6 +450,7 @@ class ClusterExecutor(Executor):
             utilization=self.cache_config.gpu_memory_utilization, max_model_len=self.model_config.max_model_len,
             num_blocks=self.num_blocks, ring_timeout_s=RING_TIMEOUT_S, kv_groups=self.kv_groups,
             caches=self._layer_caches(), activation_known=replan.activation_known(self.addresses, self.activation_peak),
+            costs=self.placement_costs,
         )
 
     # --- the rest of vLLM's executor surface ------------------------------------------------------

@@ -41,6 +41,8 @@ class Settings:
     caches: list = field(default_factory=list)  # the family's LayerCache per layer
     # Stage address -> the activation peak known for it from the plan before (stages not listed warm up).
     activation_known: dict[str, int] = field(default_factory=dict)
+    # on_gpu -> the model's placement cost: it never changes, so the executor keeps it across re-plans.
+    costs: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -106,6 +108,12 @@ def wait_idle(stage, deadline: float):
         time.sleep(0.2)
 
 
+def model_cost(settings: Settings, on_gpu: bool) -> placement.ModelCost:
+    if on_gpu not in settings.costs:
+        settings.costs[on_gpu] = placement.ModelCost.of_model(settings.model, settings.config, on_gpu=on_gpu)
+    return settings.costs[on_gpu]
+
+
 def place(stages: list, healths: list, settings: Settings) -> tuple[list, list, list[tuple[int, int]]]:
     """Stages (and their healths) in ring order, and their layer ranges."""
     num_layers = settings.config["num_hidden_layers"]
@@ -119,7 +127,7 @@ def place(stages: list, healths: list, settings: Settings) -> tuple[list, list, 
                        gpu=h.device.endswith("gpu"))
         for s, h in zip(stages, healths)
     ]
-    cost = placement.ModelCost.of_model(settings.model, settings.config, on_gpu=all(h.gpu for h in hosts))
+    cost = model_cost(settings, on_gpu=all(h.gpu for h in hosts))
     try:
         stage_plans = placement.plan(hosts, cost, settings.utilization, settings.max_model_len)
     except placement.PlacementError as e:

@@ -1,10 +1,11 @@
 """Where a re-plan's time goes, step by step, without vLLM in the way.
 
 Starts 3 local stage workers the way `serve -pp 3` does, places SmolLM2 over them (replan.build, as
-the executor does), runs a few steps, SIGKILLs the middle worker and then times the executor's heal
+the executor does), runs one step, SIGKILLs the middle worker and then times the executor's heal
 path piece by piece: probe who answers, reset the survivors (their processes come back idle),
 place, assign (load + warm-up, per stage as the worker reports it), start (ring + KV pool), and
-the first step on the new plan. The workers log to stderr.
+the first step on the new plan. The workers log to stderr. (Placement cost is computed in each
+re-plan here; the executor keeps it from its first plan.)
 
   .venv/bin/python bench/replan_profile.py [--repeat 3] 2>workers.log
 """

@@ -408,6 +408,9 @@ def worker(
     blas.use_openblas_if_present()
     import logging
 
+    from metal_cluster.stage_worker.lean_mlx_lm import skip_tokenizer_side
+
+    skip_tokenizer_side()  # a stage never tokenizes: its restart at every re-plan skips transformers and torch
     from metal_cluster.stage_worker.server import serve as serve_stage
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

@@ -98,6 +98,8 @@ class ClusterExecutor(Executor):
                 self.model_config.model, self.ranges, self.cache_config.block_size,
                 self.scheduler_config.max_num_batched_tokens, self.shares,
             )
+        self.activation_peak = max(r.activation_bytes for r in self.assigned)  # measured: see replan.activation_known
+        self.placement_costs = {}  # see replan.Settings.costs
         for (a, b), r, stage in zip(self.ranges, self.assigned, self.pipeline.stages):
             log.info("stage %s: layers [%d, %d), %.2f GiB weights, %.2f GiB activations, KV budget %.2f GiB",
                      stage.name, a, b, r.weights_bytes / 2**30, r.activation_bytes / 2**30, r.kv_budget_bytes / 2**30)
@@ -230,6 +232,8 @@ class ClusterExecutor(Executor):
         self.monitor = Monitor(self.pipeline, self.ranges, self.model_name, Path(run_dir) if run_dir else None,
                                self.control, self.stage_timeout_s, on_lost=self._lose)
         self.monitor.start()
+        if len(self.pipeline) > 1:  # placement's cost of the model, ahead of a re-plan (it reads the headers)
+            replan.model_cost(self._settings(), on_gpu=all(h.device.endswith("gpu") for h in self.healths))
 
     def compile_or_warm_up_model(self) -> None:
         pass
@@ -368,10 +372,13 @@ class ClusterExecutor(Executor):
         stages, healths = replan.reset_all(alive, reason, clock[0] + replan.RESET_TIMEOUT_S)
         clock.append(time.monotonic())
         try:
-            plan = replan.build(stages, healths, self._settings(), say=lambda line: log.info("cluster: %s", line))
+            settings = self._settings()
+            plan = replan.build(stages, healths, settings, say=lambda line: log.info("cluster: %s", line))
         except replan.ReplanError as e:
             self._give_up(stages, e)
             return
+        self.activation_peak = max(self.activation_peak,
+                                   replan.measured_peak(plan.pipeline.stages, plan.assigned, settings.activation_known))
         clock.append(time.monotonic())
         self._adopt(plan, clock)
         if silent:
@@ -417,9 +424,10 @@ class ClusterExecutor(Executor):
             self.translator = self.translator.next_plan(len(plan.pipeline) == 1)
         probe, restart, load = (b - a for a, b in zip(clock, clock[1:]))
         stages = ", ".join(f"{s.name} [{a}, {b})" for s, (a, b) in zip(plan.pipeline.stages, plan.ranges))
+        parts = ", ".join(f"{k} {v:.1f}s" for k, v in plan.seconds.items())
         message = (f"re-planned in {clock[-1] - clock[0]:.1f}s: {len(plan.ranges)} stage(s) {stages}; "
                    f"{plan.num_blocks} KV blocks (probe {probe:.1f}s, worker restart {restart:.1f}s, "
-                   f"load and start {load:.1f}s)")
+                   f"load and start {load:.1f}s: {parts})")
         log.info("cluster: %s", message)
         self.control.settle("serving", message, plan.num_blocks)
         self.monitor.follow(plan.pipeline, plan.ranges, self.control.generation)
@@ -432,7 +440,8 @@ class ClusterExecutor(Executor):
             max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
             utilization=self.cache_config.gpu_memory_utilization, max_model_len=self.model_config.max_model_len,
             num_blocks=self.num_blocks, ring_timeout_s=RING_TIMEOUT_S, kv_groups=self.kv_groups,
-            caches=self._layer_caches(),
+            caches=self._layer_caches(), activation_known=replan.activation_known(self.addresses, self.activation_peak),
+            costs=self.placement_costs,
         )
 
     # --- the rest of vLLM's executor surface ------------------------------------------------------

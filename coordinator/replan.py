@@ -39,6 +39,10 @@ class Settings:
     ring_timeout_s: float
     kv_groups: list[list[int]] = field(default_factory=list)  # vLLM's KV cache groups ([]: one)
     caches: list = field(default_factory=list)  # the family's LayerCache per layer
+    # Stage address -> the activation peak known for it from the plan before (stages not listed warm up).
+    activation_known: dict[str, int] = field(default_factory=dict)
+    # on_gpu -> the model's placement cost: it never changes, so the executor keeps it across re-plans.
+    costs: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -47,6 +51,7 @@ class Plan:
     ranges: list[tuple[int, int]]
     assigned: list[pb.AssignResponse]
     num_blocks: int
+    seconds: dict[str, float] = field(default_factory=dict)  # place, load (assign: weights + warm-up), start
 
 
 def shares_per_host(host_ids: list[str], utilization: float) -> list[float]:
@@ -103,6 +108,12 @@ def wait_idle(stage, deadline: float):
         time.sleep(0.2)
 
 
+def model_cost(settings: Settings, on_gpu: bool) -> placement.ModelCost:
+    if on_gpu not in settings.costs:
+        settings.costs[on_gpu] = placement.ModelCost.of_model(settings.model, settings.config, on_gpu=on_gpu)
+    return settings.costs[on_gpu]
+
+
 def place(stages: list, healths: list, settings: Settings) -> tuple[list, list, list[tuple[int, int]]]:
     """Stages (and their healths) in ring order, and their layer ranges."""
     num_layers = settings.config["num_hidden_layers"]
@@ -116,7 +127,7 @@ def place(stages: list, healths: list, settings: Settings) -> tuple[list, list, 
                        gpu=h.device.endswith("gpu"))
         for s, h in zip(stages, healths)
     ]
-    cost = placement.ModelCost.of_model(settings.model, settings.config, on_gpu=all(h.gpu for h in hosts))
+    cost = model_cost(settings, on_gpu=all(h.gpu for h in hosts))
     try:
         stage_plans = placement.plan(hosts, cost, settings.utilization, settings.max_model_len)
     except placement.PlacementError as e:
@@ -126,17 +137,38 @@ def place(stages: list, healths: list, settings: Settings) -> tuple[list, list, 
     return [s for s, _ in ordered], [h for _, h in ordered], [(p.start, p.end) for p in stage_plans]
 
 
+# A stage's activation peak at a given batch size hardly depends on how many layers it runs (MLX frees
+# each layer's intermediates before the next: SmolLM2's 256-token peak is 13.9 MB for 2 layers, 14.3 MB
+# for 30), so the previous plan's largest, whose stages between them ran every layer, with a margin
+# for a new mix of embedding and head, stands for any range on the same workers.
+ACTIVATION_MARGIN = 1.25
+
+
+def activation_known(addresses: list[str], measured_peak: int) -> dict[str, int]:
+    """What a re-plan may take as measured for each worker that ran a plan before: no second warm-up.
+    `measured_peak`: the largest activation peak those workers measured (not one passed to them)."""
+    return {a: int(measured_peak * ACTIVATION_MARGIN) for a in addresses} if measured_peak > 0 else {}
+
+
+def measured_peak(stages: list, assigned: list[pb.AssignResponse], known: dict[str, int]) -> int:
+    """The largest activation peak that stages measured themselves (those given one did not)."""
+    return max((r.activation_bytes for s, r in zip(stages, assigned) if s.name not in known), default=0)
+
+
 def build(stages: list, healths: list, settings: Settings, say=lambda line: None) -> Plan:
     """Load the layers on idle stages and start them: the new pipeline, ready for steps."""
     if not stages:
         raise ReplanError("no stage worker is left")
+    clock = [time.monotonic()]
     stages, healths, ranges = place(stages, healths, settings)
+    clock.append(time.monotonic())
     pipeline = Pipeline(stages)
     shares = shares_per_host([h.host_id for h in healths], settings.utilization)
     try:
         with load_progress.reported(stages, say):
             assigned = pipeline.assign(settings.model, ranges, settings.block_size, settings.max_num_batched_tokens,
-                                       shares)
+                                       shares, [settings.activation_known.get(s.name, 0) for s in stages])
+        clock.append(time.monotonic())
         caches = settings.caches
         blocks = []
         for share, r, (a, b) in zip(shares, assigned, ranges):
@@ -146,9 +178,12 @@ def build(stages: list, healths: list, settings: Settings, say=lambda line: None
             layout = KVLayout.of_stage(settings.kv_groups, a, b)
             blocks.append(r.kv_budget_bytes // bytes_per_block(caches[a:b], settings.block_size, dtype, layout))
         num_blocks = min(min(blocks), settings.num_blocks)
-        pipeline.start(num_blocks, ring_hosts(stages, healths), settings.ring_timeout_s,
-                       wire_dtype([r.dtype for r in assigned]), settings.kv_groups)
+        started = pipeline.start(num_blocks, ring_hosts(stages, healths), settings.ring_timeout_s,
+                                 wire_dtype([r.dtype for r in assigned]), settings.kv_groups)
+        clock.append(time.monotonic())
     except (StageCallError, MemoryBudgetError) as e:
         pipeline.close()
         raise ReplanError(str(e)) from None
-    return Plan(pipeline, ranges, assigned, num_blocks)
+    seconds = {k: b - a for k, a, b in zip(("place", "load", "start"), clock, clock[1:])}
+    seconds["of which KV allocate"] = max(r.kv_allocate_seconds for r in started)
+    return Plan(pipeline, ranges, assigned, num_blocks, seconds)

@@ -16,13 +16,15 @@ from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.proto import cluster_pb2_grpc as pb_grpc
 from metal_cluster.stage_worker import cluster_tls
 from metal_cluster.stage_worker.auth import resolve_token
+from metal_cluster.stage_worker.ring import JOINING_RING
 
 MAX_MESSAGE = 256 * 1024 * 1024
 FETCH_TIMEOUT_S = 6 * 3600
 # A worker that resets itself is unreachable for a few seconds. grpc's default reconnect backoff
 # (1 s, growing 1.6x to 120 s) then kept the re-plan waiting up to ~10 s after the worker listened
-# again; retry its address at least once a second instead.
-RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 1000)]
+# again; retry its address every quarter second instead (a refused connect costs next to nothing, and
+# a re-plan waits for the slowest worker to come back: each second here was a second of the outage).
+RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 250)]
 
 
 class StageCallError(RuntimeError):
@@ -197,13 +199,15 @@ class Pipeline:
         return len(self.stages)
 
     def assign(self, model: str, ranges: list[tuple[int, int]], block_size: int, max_tokens: int,
-               utilization: list[float]) -> list[pb.AssignResponse]:
+               utilization: list[float], activation_known: list[int] | None = None) -> list[pb.AssignResponse]:
+        """activation_known: per stage, an activation peak already measured (0: the stage warms up)."""
         reqs = [
             pb.AssignRequest(version=PROTO_VERSION, model=model, layer_start=a, layer_end=b, block_size=block_size,
                              max_num_batched_tokens=max_tokens, memory_utilization=share,
                              model_store=getattr(stage, "model_store", ""),
-                             manifest_sha256=getattr(stage, "manifest_sha256", ""))
-            for (a, b), share, stage in zip(ranges, utilization, self.stages)
+                             manifest_sha256=getattr(stage, "manifest_sha256", ""), activation_bytes_known=known)
+            for (a, b), share, stage, known in zip(ranges, utilization, self.stages,
+                                                   activation_known or [0] * len(self.stages))
         ]
         return list(self.pool.map(lambda sr: sr[0].assign(sr[1]), zip(self.stages, reqs)))
 
@@ -217,8 +221,14 @@ class Pipeline:
                             ring_hostfile=hostfile, ring_timeout_s=ring_timeout_s, wire_dtype=wire, kv_groups=groups)
             for k in range(len(self.stages))
         ]
-        # Every rank must be joining at once: the ring connects only when all are there.
-        return list(self.pool.map(lambda sr: sr[0].start(sr[1]), zip(self.stages, reqs)))
+        # Every rank must be joining at once: the ring connects only when all are there. MLX's ring has
+        # ranks 0..S-2 listen first and rank S-1 connect first (to rank 0), and a connect that finds
+        # no listener sleeps 1 s (then 2, 4, ...) before it tries again: that second was most of a
+        # re-plan's ring join. So the last rank starts once the others are listening.
+        first = [self.pool.submit(s.start, r) for s, r in zip(self.stages[:-1], reqs[:-1])]
+        _until_joining(self.stages[:-1], first, time.monotonic() + JOIN_HEAD_START_S)
+        last = self.pool.submit(self.stages[-1].start, reqs[-1])
+        return [f.result() for f in [*first, last]]
 
     def submit(self, step: pb.StepRequest) -> Future:
         """Every stage gets every step; the answer is the last stage's. The first error answers at
@@ -248,6 +258,34 @@ class Pipeline:
         for s in self.stages:
             s.close()
         self.pool.shutdown(wait=False)
+
+
+# Longest the last rank's start waits for the others to reach the ring (then it goes anyway).
+JOIN_HEAD_START_S = 5.0
+JOIN_POLL_S = 0.02
+# MLX's ring init holds Python's lock while it waits for its peers, so a joining worker answers no
+# health check: one unanswered for this long, once its start was sent, is a worker listening.
+JOIN_SILENT_S = 0.25
+JOIN_MARGIN_S = 0.05  # from "joining the ring" to MLX's listen: a thread start and a bind
+
+
+def _until_joining(stages: list, starts: list[Future], deadline: float) -> None:
+    """Until every stage is joining the ring, its start has ended, or the deadline."""
+    if not stages:
+        return
+    waiting = list(zip(stages, starts))
+    while waiting and time.monotonic() < deadline:
+        waiting = [(stage, start) for stage, start in waiting if not (start.done() or _joining(stage))]
+        if waiting:
+            time.sleep(JOIN_POLL_S)
+    time.sleep(JOIN_MARGIN_S)
+
+
+def _joining(stage) -> bool:
+    try:
+        return stage.health(timeout=JOIN_SILENT_S).phase == JOINING_RING
+    except StageCallError as e:
+        return e.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 def even_split(num_layers: int, num_stages: int) -> list[tuple[int, int]]:

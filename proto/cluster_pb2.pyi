@@ -190,7 +190,7 @@ class StepResponse(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
 
 class AssignRequest(_message.Message):
-    __slots__ = ("version", "model", "layer_start", "layer_end", "block_size", "max_num_batched_tokens", "memory_utilization", "model_store", "manifest_sha256")
+    __slots__ = ("version", "model", "layer_start", "layer_end", "block_size", "max_num_batched_tokens", "memory_utilization", "model_store", "manifest_sha256", "activation_bytes_known")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -200,6 +200,7 @@ class AssignRequest(_message.Message):
     MEMORY_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     MODEL_STORE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_BYTES_KNOWN_FIELD_NUMBER: _ClassVar[int]
     version: int
     model: str
     layer_start: int
@@ -209,7 +210,8 @@ class AssignRequest(_message.Message):
     memory_utilization: float
     model_store: str
     manifest_sha256: str
-    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., memory_utilization: _Optional[float] = ..., model_store: _Optional[str] = ..., manifest_sha256: _Optional[str] = ...) -> None: ...
+    activation_bytes_known: int
+    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., memory_utilization: _Optional[float] = ..., model_store: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., activation_bytes_known: _Optional[int] = ...) -> None: ...
 
 class AssignResponse(_message.Message):
     __slots__ = ("weights_bytes", "activation_bytes", "bytes_per_block", "kv_budget_bytes", "num_layers", "host_memory_bytes", "dtype", "load_seconds", "warm_up_seconds")

@@ -23,7 +23,7 @@ from metal_cluster.stage_worker.kv_layout import KVLayout
 from metal_cluster.stage_worker.model_source import resolve_model
 from metal_cluster.stage_worker.paged_kv import KVPool, bytes_per_block
 from metal_cluster.stage_worker.request_table import StepError
-from metal_cluster.stage_worker.ring import Ring
+from metal_cluster.stage_worker.ring import JOINING_RING, Ring
 from metal_cluster.stage_worker.runner import StageOutput, StageRunner, to_response
 from metal_cluster.stage_worker.shard import load_shard
 
@@ -84,8 +84,11 @@ class StageHost:
                 loaded = time.perf_counter()
                 self.block_size = req.block_size
                 weights = sum(v.nbytes for v in _params(self.shard.model))
-                self.phase = f"warming up ({min(req.max_num_batched_tokens, WARM_UP_TOKENS)}-token prefill)"
-                activation = self._activation_peak(req.max_num_batched_tokens)
+                if req.activation_bytes_known > 0:  # a re-plan: this worker measured it for the last plan
+                    activation = req.activation_bytes_known
+                else:
+                    self.phase = f"warming up ({min(req.max_num_batched_tokens, WARM_UP_TOKENS)}-token prefill)"
+                    activation = self._activation_peak(req.max_num_batched_tokens)
                 warmed = time.perf_counter()
             finally:
                 self.phase = ""
@@ -118,7 +121,7 @@ class StageHost:
                 raise StageStateError(f"start needs an assigned stage; this one is {self.state}")
             try:
                 if req.world_size > 1:
-                    self.phase = "joining the ring"
+                    self.phase = JOINING_RING
                     wire = from_name(req.wire_dtype) if req.wire_dtype else self.dtype
                     self.ring = Ring.join(req.rank, req.world_size, req.ring_hostfile, req.ring_timeout_s or 60, wire)
                 layout = KVLayout.of_stage([list(g.ids) for g in req.kv_groups], self.shard.start, self.shard.end,

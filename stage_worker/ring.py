@@ -12,6 +12,9 @@ import threading
 import mlx.core as mx
 
 
+JOINING_RING = "joining the ring"  # a stage's phase (Health) from its start until its ring is connected
+
+
 class RingError(RuntimeError):
     pass
 

@@ -403,3 +403,20 @@ def test_qwen3moe_gguf_serves_token_exact(tmp_path):
     held = [sum(v.nbytes for _, v in tree_flatten(layer.parameters())) for layer in runner.shard.layers]
     assert cost.layer_bytes == held
     assert held[0] > ModelCost.from_config(source.config).layer_bytes[0]  # 8 experts outweigh a dense MLP
+
+
+def test_tensor_table_without_the_metadata_parse_matches_gguf_readers(tmp_path):
+    """Placement reads a GGUF's tensor table on every re-plan: our walk past the metadata gives what
+    gguf's GGUFReader gives (names, values, bytes, types), and a file that is no GGUF is refused."""
+    from gguf import GGUFReader
+
+    from metal_cluster.stage_worker.checkpoint_sizes import gguf_tensor_table
+
+    path = default_model_gguf()
+    ours = [(t.name, t.n_elements, t.n_bytes, t.type_name) for t in gguf_tensor_table(path)]
+    theirs = [(t.name, int(t.n_elements), int(t.n_bytes), t.tensor_type.name) for t in GGUFReader(path).tensors]
+    assert ours == theirs and len(ours) > 100
+    other = tmp_path / "not.gguf"
+    other.write_bytes(b"GGML" + bytes(40))
+    with pytest.raises(ValueError, match="not a little-endian GGUF"):
+        gguf_tensor_table(other)

@@ -34,6 +34,7 @@ def worker_process(log_path):
             stage.wait_ready(time.monotonic() + 60, still_starting=lambda: proc.poll() is None)
         except StageCallError as e:
             raise AssertionError(f"worker did not come up: {e}\n{open(log_path).read()}") from None
+        stage.pid = proc.pid
         yield stage
     finally:
         stage.close()
@@ -88,6 +89,17 @@ def test_second_assign_is_refused(llama_model, tmp_path):
         assign(stage, llama_model, 0, 2)
         with pytest.raises(StageCallError, match="already holds layers"):
             assign(stage, llama_model, 2, 4)
+        # A worker restarts at every re-plan: it never imports the tokenizer side (transformers,
+        # torch: 8 s of its start here), only mlx-lm's model code (lean_mlx_lm.py).
+        with open(f"/proc/{stage.pid}/maps") as maps:
+            mapped = maps.read()
+        assert "libtorch" not in mapped and "mlx" in mapped
+    with worker_process(tmp_path / "worker-replan.log") as stage:
+        # A re-plan passes the activation peak the worker measured for the plan before: no warm-up.
+        known = stage.assign(pb.AssignRequest(version=PROTO_VERSION, model=str(llama_model), layer_start=0, layer_end=2,
+                                              block_size=16, max_num_batched_tokens=32, memory_utilization=0.05,
+                                              activation_bytes_known=12345))
+        assert known.activation_bytes == 12345 and known.warm_up_seconds < 0.01
     with worker_process(tmp_path / "worker2.log") as other:
         with pytest.raises(StageCallError, match="model not found"):
             assign(other, tmp_path / "no-such-model", 0, 1)

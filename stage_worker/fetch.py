@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +22,7 @@ import grpc
 
 from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.proto import cluster_pb2_grpc as pb_grpc
-from metal_cluster.stage_worker import cluster_tls
+from metal_cluster.stage_worker import chunk_wire, cluster_tls
 from metal_cluster.stage_worker import manifest as manifests
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.model_source import cache_dir
@@ -29,7 +30,14 @@ from metal_cluster.stage_worker.weights_cache import BlobStore
 
 log = logging.getLogger("metal_cluster.worker")
 MAX_MESSAGE = 64 * 2**20
+# gRPC reads the socket in small pieces by default; bigger reads cut its receive cost by a quarter
+# (bench/README.md, "Weights over the model store").
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE),
+                   ("grpc.experimental.tcp_read_chunk_size", 4 * 2**20),
+                   ("grpc.experimental.tcp_min_read_chunk_size", 2**20),
+                   ("grpc.experimental.tcp_max_read_chunk_size", 8 * 2**20)]
 BATCH_BYTES = 256 * 2**20  # pieces asked for in one Read: a cut-off stream loses little
+WRITES_AHEAD = 8  # chunks received and not yet written and hashed (4 MiB each)
 
 
 @dataclass
@@ -55,10 +63,11 @@ def fetch_stage(address: str, manifest_sha: str, start: int, end: int, token: st
     to keep the cache within it."""
     progress = progress or FetchProgress()
     root = root or cache_dir()
-    channel = cluster_tls.channel(address, token, options=[("grpc.max_receive_message_length", MAX_MESSAGE)],
-                                  common_name="stage-fetch")
+    channel = cluster_tls.channel(address, token, options=CHANNEL_OPTIONS, common_name="stage-fetch")
     try:
-        client = _Client(pb_grpc.ModelStoreStub(channel), address)
+        client = _Client(pb_grpc.ModelStoreStub(channel), address,
+                         channel.unary_stream(chunk_wire.READ_METHOD, request_serializer=pb.ReadRequest.SerializeToString,
+                                              response_deserializer=chunk_wire.decode))
         manifest = client.manifest()
         if manifest_sha and manifest.sha256 != manifest_sha:
             raise ModelLoadError(f"the model store at {address} serves another model version than the plan's "
@@ -69,8 +78,9 @@ def fetch_stage(address: str, manifest_sha: str, start: int, end: int, token: st
 
 
 class _Client:
-    def __init__(self, stub, address: str):
+    def __init__(self, stub, address: str, read_raw):
         self.stub, self.address = stub, address
+        self.read_raw = read_raw  # Read, its answers as (offset, a view of the data): chunk_wire.py
 
     def manifest(self) -> pb.ManifestResponse:
         try:
@@ -83,7 +93,7 @@ class _Client:
         req = pb.ReadRequest(version=PROTO_VERSION, manifest_sha256=manifest_sha, path=path,
                              pieces=[pb.Piece(offset=p.offset, length=p.length) for p in pieces])
         try:
-            yield from self.stub.Read(req)
+            yield from self.read_raw(req)
         except grpc.RpcError as e:
             raise ModelLoadError(f"fetching {path} from {self.address} failed: {e.details() or e.code().name}") from None
 
@@ -140,29 +150,44 @@ class _Fetch:
         log.info("fetched %d bytes for %s in %.1fs (%.1f MB/s)", need, what, took, need / took / 1e6)
 
     def _read_into(self, entry: pb.ModelFile, pieces: list[pb.Piece]) -> None:
+        """Receive on this thread, write and hash on another: gRPC's receive, pwrite and sha256 all
+        release the GIL, so they overlap. A piece is recorded once all of it is written and matches."""
         fd = self.blobs.open_for_write(entry)
+        writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch-write")  # one: in order
+        pending = []
         try:
             queue = iter(pieces)
             piece, h, at = next(queue), hashlib.sha256(), 0
-            for chunk in self.client.read(self.manifest.sha256, entry.path, pieces):
-                if chunk.offset != piece.offset + at or at + len(chunk.data) > piece.length:
+            for offset, data in self.client.read(self.manifest.sha256, entry.path, pieces):
+                if piece is None or offset != piece.offset + at or at + len(data) > piece.length:
                     raise ModelLoadError(f"the model store sent bytes of {entry.path} out of order")
-                _write(fd, chunk.data, chunk.offset)
-                h.update(chunk.data)
-                at += len(chunk.data)
-                self.received += len(chunk.data)
-                self.progress.received += len(chunk.data)
-                self.progress.done += len(chunk.data)
-                if at == piece.length:
-                    if h.hexdigest() != piece.sha256:
-                        raise ModelLoadError(f"a piece of {entry.path} at byte {piece.offset} arrived with the wrong "
-                                             "hash: the coordinator's copy changed or the link corrupts data")
-                    self.blobs.record(entry.sha256, piece)
+                at += len(data)
+                done = piece if at == piece.length else None
+                pending.append(writer.submit(self._write_chunk, fd, entry, data, offset, h, done))
+                self.received += len(data)
+                self.progress.received += len(data)
+                self.progress.done += len(data)
+                if done:
                     piece, h, at = next(queue, None), hashlib.sha256(), 0
+                while len(pending) > WRITES_AHEAD or (pending and pending[0].done()):
+                    pending.pop(0).result()
             if piece is not None:
                 raise ModelLoadError(f"the model store ended {entry.path} early (at byte {piece.offset + at})")
         finally:
+            writer.shutdown(wait=True)  # what arrived is written and recorded, even when the stream broke
             os.close(fd)
+        for f in pending:
+            f.result()
+
+    def _write_chunk(self, fd: int, entry: pb.ModelFile, data: memoryview, offset: int, h, piece: pb.Piece | None):
+        _write(fd, data, offset)
+        h.update(data)
+        if piece is None:
+            return
+        if h.hexdigest() != piece.sha256:
+            raise ModelLoadError(f"a piece of {entry.path} at byte {piece.offset} arrived with the wrong "
+                                 "hash: the coordinator's copy changed or the link corrupts data")
+        self.blobs.record(entry.sha256, piece)
 
     def _make_room(self, need: int) -> None:
         """Within --cache-limit: evict other models' blobs first; refuse when this model alone is too big."""
@@ -237,9 +262,9 @@ def _batches(pieces: list[pb.Piece]):
         yield batch
 
 
-def _write(fd: int, data: bytes, offset: int) -> None:
+def _write(fd: int, data: memoryview, offset: int) -> None:
     try:
-        view = memoryview(data)
+        view = data
         while view:
             n = os.pwrite(fd, view, offset)
             view, offset = view[n:], offset + n

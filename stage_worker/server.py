@@ -68,6 +68,13 @@ class StageService(pb_grpc.StageServicer):
         return resp
 
     @_rpc
+    def WeightsRoom(self, req):
+        resp = self.host.weights_room(req)
+        if resp.refusal:
+            log.warning("refused layers [%d, %d): %s", req.layer_start, req.layer_end, resp.refusal)
+        return resp
+
+    @_rpc
     def Start(self, req):
         resp = self.host.start(req)
         log.info("serving as stage %d of %d with %d KV blocks", req.rank, req.world_size, req.num_blocks)

@@ -36,18 +36,23 @@ print(json.dumps(out))
 
 @pytest.fixture
 def lan():
-    with netns.lan(4) as members:
+    with netns.lan(5) as members:
         yield members
 
 
-def start_worker(ns, address, tmp_path, token=TOKEN, hide=None):
+def start_worker(ns, address, tmp_path, token=TOKEN, hide=None, disk=None):
     """A worker with a cache of its own; `hide`: a folder it cannot see (an empty tmpfs over it), so
-    that the model is on the coordinator's disk only."""
+    that the model is on the coordinator's disk only; `disk`: its cache on a disk of that size."""
     cmd = [*PY, "worker", "--host", address, "--port", "7760", "--ring-port", "7761", "--cluster-token", token]
-    if hide:  # `ip netns exec` gives the command a mount namespace of its own: the host keeps its view
-        cmd = ["sh", "-c", f'mount -t tmpfs none "{hide}" && exec "$@"', "sh", *cmd]
-    env = {**os.environ, "METAL_CLUSTER_CACHE": str(tmp_path / f"cache-{address}")}
-    return netns.popen(ns, cmd, tmp_path / f"worker-{address}.log", env=env)
+    cache = tmp_path / f"cache-{address}"
+    # `ip netns exec` gives the command a mount namespace of its own: the host keeps its view.
+    mounts = [f'mount -t tmpfs none "{hide}"'] if hide else []
+    if disk:
+        cache.mkdir()
+        mounts.append(f'mount -t tmpfs -o size={disk} none "{cache}"')
+    if mounts:
+        cmd = ["sh", "-c", " && ".join([*mounts, 'exec "$@"']), "sh", *cmd]
+    return netns.popen(ns, cmd, tmp_path / f"worker-{address}.log", env={**os.environ, "METAL_CLUSTER_CACHE": str(cache)})
 
 
 def fetched(log_path):
@@ -96,7 +101,7 @@ def wait_healthy(ns, url, proc, log, timeout=300):
 
 
 def check_cluster(lan, tmp_path, model, up_flags, start_workers=True, log_name="up.log"):
-    (ns_a, ip_a), (ns_b, ip_b), (ns_c, ip_c), (ns_d, ip_d) = lan
+    (ns_a, ip_a), (ns_b, ip_b), (ns_c, ip_c), (ns_d, ip_d), (ns_e, ip_e) = lan
     capture_path = tmp_path / f"{log_name}.capture"
     capture = netns.popen(netns.bridge_namespace(), [sys.executable, "-c", netns.CAPTURE, str(capture_path)],
                           tmp_path / f"{log_name}.capture.log")
@@ -104,6 +109,8 @@ def check_cluster(lan, tmp_path, model, up_flags, start_workers=True, log_name="
         for ns, ip in ((ns_b, ip_b), (ns_c, ip_c)):
             start_worker(ns, ip, tmp_path, hide=model)  # no copy of the model: they fetch their layers
         start_worker(ns_d, ip_d, tmp_path, token="not-the-token")  # must be left out
+        # Room for the small files, not for a layer: it refuses its layers, and the plan goes on without it.
+        start_worker(ns_e, ip_e, tmp_path, hide=model, disk="128k")
     log = tmp_path / log_name
     up = netns.popen(ns_a, [*PY, "up", str(model), "--interface", ip_a, "--host", ip_a, "--port", "8000",
                             "--cluster-token", TOKEN, "--gpu-memory-utilization", "0.05", "--max-model-len", "512",
@@ -124,6 +131,11 @@ def check_cluster(lan, tmp_path, model, up_flags, start_workers=True, log_name="
     assert len(left_out) == 1 and "not from this cluster's token" in left_out[0], text[-3000:]
     assert "placement" in text and "over 3 stage(s)" in text  # the plan, printed, then run on 3 stages
     assert "assigned" not in (tmp_path / f"worker-{ip_d}.log").read_text()
+    no_room = [line for line in text.splitlines() if "left out" in line and f"{ip_e}:7760" in line]
+    assert len(no_room) == 1 and "this worker's disk has" in no_room[0] and "free space" in no_room[0], text[-3000:]
+    assert text.index(no_room[0]) < text.rindex("placement")  # planned again without it
+    worker_e = (tmp_path / f"worker-{ip_e}.log").read_text()
+    assert "refused layers" in worker_e and "assigned" not in worker_e, worker_e[-3000:]
     # Everything between the hosts (gRPC control, the ring's hidden states) crossed the bridge; the
     # token never did: the control plane is TLS keyed by it, and nothing else carries it.
     wire = capture_path.read_bytes()
@@ -145,8 +157,8 @@ def test_up_finds_workers_by_mdns_alone(lan, tmp_path, llama_model):
 def test_up_with_static_peers_and_mdns_off(lan, tmp_path, llama_model):
     """Also: workers with no copy of the model fetch their layers' share of it; a second `up` moves no
     weight bytes, but fetches again the one piece corrupted in a worker's cache."""
-    (ns_a, _), (_, ip_b), (_, ip_c), (_, ip_d) = lan
-    peers = f"{ip_b}:7760,{ip_c}:7760,{ip_d}:7760"
+    (ns_a, _), (_, ip_b), (_, ip_c), (_, ip_d), (_, ip_e) = lan
+    peers = f"{ip_b}:7760,{ip_c}:7760,{ip_d}:7760,{ip_e}:7760"
     flags = ["--no-mdns", "--peers", peers, "--discovery-timeout", "60"]
     text = check_cluster(lan, tmp_path, llama_model, flags)
     assert "looking for workers" not in text and "model store:" in text
@@ -214,7 +226,7 @@ def test_a_lost_host_mid_traffic_is_healed_around(lan, tmp_path, llama_model, fa
     import signal
     import subprocess
 
-    (ns_a, ip_a), (ns_b, ip_b), (ns_c, ip_c), _ = lan
+    (ns_a, ip_a), (ns_b, ip_b), (ns_c, ip_c), *_ = lan
     for ns, ip in ((ns_b, ip_b), (ns_c, ip_c)):
         start_worker(ns, ip, tmp_path, hide=llama_model)
     log = tmp_path / "up.log"

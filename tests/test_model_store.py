@@ -178,6 +178,18 @@ def test_the_manifest_is_cached(model, tmp_path, monkeypatch):
     assert manifests.build(source, "tiny", cache=tmp_path / "m").sha256 != first.sha256
 
 
+def test_chunks_by_hand_are_protobuf_read_chunks():
+    from metal_cluster.proto import pb
+    from metal_cluster.stage_worker import chunk_wire
+
+    for offset, data in ((0, b"abc"), (300, b""), (2**40 + 5, bytes(range(256)) * 3)):
+        assert pb.ReadChunk.FromString(chunk_wire.encode(offset, data)) == pb.ReadChunk(offset=offset, data=data)
+        got = chunk_wire.decode(pb.ReadChunk(offset=offset, data=data).SerializeToString())
+        assert (got[0], bytes(got[1])) == (offset, data)
+    with pytest.raises(ValueError, match="cut short"):
+        chunk_wire.decode(chunk_wire.encode(7, b"abcdef")[:-2])
+
+
 def test_cut_covers_files_in_pieces():
     from metal_cluster.proto import pb
 

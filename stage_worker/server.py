@@ -71,7 +71,10 @@ class StageService(pb_grpc.StageServicer):
     def WeightsRoom(self, req):
         resp = self.host.weights_room(req)
         if resp.refusal:
-            log.warning("refused layers [%d, %d): %s", req.layer_start, req.layer_end, resp.refusal)
+            log.warning("no room for layers [%d, %d): %s", req.layer_start, req.layer_end, resp.refusal)
+        else:
+            log.info("room for layers [%d, %d): %d bytes of weights to fetch", req.layer_start, req.layer_end,
+                     resp.need_bytes)
         return resp
 
     @_rpc

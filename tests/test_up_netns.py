@@ -56,9 +56,12 @@ def start_worker(ns, address, tmp_path, token=TOKEN, hide=None, disk=None):
 
 
 def fetched(log_path):
-    """(layers, bytes the worker fetched) since its last assignment, from its log."""
+    """(layers, bytes the worker fetched) for its last assignment, from its log: `up` asks for room
+    first (the small files come then), and then assigns; a re-plan assigns at once."""
     text = log_path.read_text()
-    last = text[text.rindex("assigned layers"):]
+    assigned = text.rindex("assigned layers")
+    asked = text.rfind("room for layers", 0, assigned)
+    last = text[asked if asked > text.rfind("assigned layers", 0, assigned) else assigned:]
     layers = tuple(int(x) for x in re.search(r"assigned layers \[(\d+), (\d+)\)", last).groups())
     return layers, sum(int(n) for n in re.findall(r"fetched (\d+) bytes", last))
 
@@ -135,7 +138,7 @@ def check_cluster(lan, tmp_path, model, up_flags, start_workers=True, log_name="
     assert len(no_room) == 1 and "this worker's disk has" in no_room[0] and "free space" in no_room[0], text[-3000:]
     assert text.index(no_room[0]) < text.rindex("placement")  # planned again without it
     worker_e = (tmp_path / f"worker-{ip_e}.log").read_text()
-    assert "refused layers" in worker_e and "assigned" not in worker_e, worker_e[-3000:]
+    assert "no room for layers" in worker_e and "assigned" not in worker_e, worker_e[-3000:]
     # Everything between the hosts (gRPC control, the ring's hidden states) crossed the bridge; the
     # token never did: the control plane is TLS keyed by it, and nothing else carries it.
     wire = capture_path.read_bytes()

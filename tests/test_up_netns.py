@@ -56,13 +56,12 @@ def start_worker(ns, address, tmp_path, token=TOKEN, hide=None, disk=None):
 
 
 def fetched(log_path):
-    """(layers, bytes the worker fetched) for its last assignment, from its log: `up` asks for room
-    first (the small files come then), and then assigns; a re-plan assigns at once."""
+    """(layers, bytes the worker fetched) for its last assignment, from its log: since the load
+    before it, as `up` first asks for room (and the small files come then), then assigns."""
     text = log_path.read_text()
     assigned = text.rindex("assigned layers")
-    asked = text.rfind("room for layers", 0, assigned)
-    last = text[asked if asked > text.rfind("assigned layers", 0, assigned) else assigned:]
-    layers = tuple(int(x) for x in re.search(r"assigned layers \[(\d+), (\d+)\)", last).groups())
+    last = text[max(0, text.rfind("loaded: ", 0, assigned)):]
+    layers = tuple(int(x) for x in re.search(r"assigned layers \[(\d+), (\d+)\)", text[assigned:]).groups())
     return layers, sum(int(n) for n in re.findall(r"fetched (\d+) bytes", last))
 
 

@@ -4,11 +4,16 @@ Builds a random-weight llama checkpoint of a few hundred MB (tests/tiny_models.p
 downloaded), serves it from the coordinator's model store in one namespace and fetches all of it
 into an empty cache in the other (manifest, pieces, sha256 of each, writes to disk), then sends
 the same file's bytes over one plain TCP connection between the same two namespaces: received and
-dropped, and received and written to a file. Run: `.venv/bin/python bench/model_transfer.py`.
+dropped, and received and written to a file; and over one TLS connection made with the cluster's
+certificates (Python's ssl, what TLS alone costs). Beside each rate, the CPU seconds per GiB on the
+receiving and the sending end: the link between namespaces is memory copies, so on a small shared
+machine the rates follow the CPU left over, and the CPU cost is the steadier figure.
+Run: `.venv/bin/python bench/model_transfer.py`.
 """
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -21,6 +26,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 import netns  # noqa: E402
 import tiny_models  # noqa: E402
 
+TLS = """
+import ssl, tempfile
+from metal_cluster.stage_worker import cluster_tls
+def tls_context(server):
+    me, folder = cluster_tls.identity("bench-token", "bench"), tempfile.mkdtemp()
+    for name, value in (("cert", me.cert), ("key", me.key), ("ca", me.ca)):
+        open(f"{folder}/{name}", "wb").write(value)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_cert_chain(f"{folder}/cert", f"{folder}/key")
+    ctx.load_verify_locations(f"{folder}/ca")
+    ctx.verify_mode, ctx.check_hostname = ssl.CERT_REQUIRED, False
+    return ctx
+"""
 STORE = """
 import sys, time
 from metal_cluster.coordinator import model_store
@@ -35,44 +53,63 @@ from pathlib import Path
 from metal_cluster.stage_worker.fetch import fetch_stage
 import mlx_lm.utils  # imported before the clock starts, as in a worker
 t = time.perf_counter()
+cpu = time.process_time()
 got = fetch_stage(sys.argv[1], sys.argv[2], 0, int(sys.argv[3]), "bench-token", root=Path(sys.argv[4]))
-print(json.dumps({"bytes": got.received, "s": time.perf_counter() - t}))
+print(json.dumps({"bytes": got.received, "s": time.perf_counter() - t, "cpu": time.process_time() - cpu}))
 """
-SEND = """
-import socket, sys
+SEND = TLS + """
+import socket, sys, time
 srv = socket.create_server((sys.argv[1], 7791))
 conn, _ = srv.accept()
+cpu = time.process_time()
 with open(sys.argv[2], "rb") as f:
-    conn.sendfile(f)
+    if sys.argv[3] == "tls":  # no sendfile through TLS: read and encrypt
+        conn = tls_context(True).wrap_socket(conn, server_side=True)
+        buf = memoryview(bytearray(1 << 20))
+        while n := f.readinto(buf):
+            conn.sendall(buf[:n])
+    else:
+        conn.sendfile(f)
 conn.close()
+print(time.process_time() - cpu, flush=True)
 """
-RECV = """
+RECV = TLS + """
 import socket, sys, time, json
 t = time.perf_counter()
 s = socket.create_connection((sys.argv[1], 7791))
+if sys.argv[3] == "tls":
+    s = tls_context(False).wrap_socket(s)
+cpu = time.process_time()
 out = open(sys.argv[2], "wb") if sys.argv[2] != "-" else None
+buf = memoryview(bytearray(1 << 20))
 n = 0
-while True:
-    data = s.recv(1 << 20)
-    if not data:
-        break
-    n += len(data)
+while k := s.recv_into(buf):  # recv() would allocate a MiB for each 16 KiB TLS record
+    n += k
     if out:
-        out.write(data)
+        out.write(buf[:k])
 if out:
     out.close()
-print(json.dumps({"bytes": n, "s": time.perf_counter() - t}))
+print(json.dumps({"bytes": n, "s": time.perf_counter() - t, "cpu": time.process_time() - cpu}))
 """
 
 
-def tcp(ns_a, ip_a, ns_b, path: Path, sink: str) -> dict:
-    sender = subprocess.Popen(["ip", "netns", "exec", ns_a, sys.executable, "-c", SEND, ip_a, str(path)])
+def tcp(ns_a, ip_a, ns_b, path: Path, sink: str, tls: bool = False) -> dict:
+    how = "tls" if tls else "plain"
+    sender = subprocess.Popen(["ip", "netns", "exec", ns_a, sys.executable, "-c", SEND, ip_a, str(path), how],
+                              stdout=subprocess.PIPE, text=True)
     try:
         time.sleep(0.5)
-        out = netns.run(ns_b, [sys.executable, "-c", RECV, ip_a, sink], timeout=600)
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        out = netns.run(ns_b, [sys.executable, "-c", RECV, ip_a, sink, how], timeout=600)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return {**json.loads(out.stdout.strip().splitlines()[-1]), "sender_cpu": float(sender.communicate(timeout=30)[0])}
     finally:
-        sender.wait(timeout=30)
+        sender.kill()
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:  # utime + stime of the process and its threads, in clock ticks
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main():
@@ -90,31 +127,38 @@ def main():
         print(f"checkpoint: {size / 2**20:.0f} MiB, {args.layers} layers", flush=True)
         with netns.lan(2, net=78) as [(ns_a, ip_a), (ns_b, _)]:
             store = subprocess.Popen(["ip", "netns", "exec", ns_a, sys.executable, "-c", STORE, str(model), ip_a],
-                                     stdout=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, text=True)  # `ip netns exec` execs: store.pid is it
             try:
                 manifest = store.stdout.readline().strip()  # after hashing: the store is up
                 rows = {"model store (fetch, verify, write)": [], "plain TCP, dropped": [],
-                        "plain TCP, written to a file": []}
+                        "plain TCP, written to a file": [], "TLS stream, dropped": []}
                 for k in range(args.runs):
                     cache = work / f"cache-{k}"
+                    store_cpu = cpu_seconds(store.pid)
                     out = netns.run(ns_b, [sys.executable, "-c", FETCH, f"{ip_a}:7790", manifest, str(args.layers),
                                            str(cache)], timeout=600)
                     assert out.returncode == 0, out.stderr[-2000:]
-                    rows["model store (fetch, verify, write)"].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                    rows["model store (fetch, verify, write)"].append(
+                        {**json.loads(out.stdout.strip().splitlines()[-1]), "sender_cpu": cpu_seconds(store.pid) - store_cpu})
                     shutil.rmtree(cache)
                     rows["plain TCP, dropped"].append(tcp(ns_a, ip_a, ns_b, model / "model.safetensors", "-"))
                     sink = work / "sink"
                     rows["plain TCP, written to a file"].append(tcp(ns_a, ip_a, ns_b, model / "model.safetensors",
                                                                     str(sink)))
                     sink.unlink()
+                    rows["TLS stream, dropped"].append(tcp(ns_a, ip_a, ns_b, model / "model.safetensors", "-", tls=True))
             finally:
                 store.kill()
         best = {name: max(r["bytes"] / r["s"] for r in runs) for name, runs in rows.items()}
-        for name, rate in best.items():
-            print(f"{name}: {rate / 2**20:.0f} MiB/s (best of {args.runs})")
+        for name, runs in rows.items():
+            gib = runs[0]["bytes"] / 2**30
+            recv, send = (min(r[k] for r in runs) / gib for k in ("cpu", "sender_cpu"))
+            print(f"{name}: {best[name] / 2**20:.0f} MiB/s (best of {args.runs}); CPU s/GiB: "
+                  f"receiver {recv:.2f}, sender {send:.2f}")
         store_rate = best["model store (fetch, verify, write)"]
         print(f"model store / plain TCP dropped: {store_rate / best['plain TCP, dropped']:.0%}; "
-              f"/ plain TCP written: {store_rate / best['plain TCP, written to a file']:.0%}")
+              f"/ plain TCP written: {store_rate / best['plain TCP, written to a file']:.0%}; "
+              f"/ TLS stream: {store_rate / best['TLS stream, dropped']:.0%}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -163,8 +163,9 @@ def up(
 
         hosts = hosts + [placement.Host("this-host", "local", memory, local=True, gpu=on_gpu())]
     cost = placement.ModelCost.of_model(source.folder, source.config, on_gpu=all(h.gpu for h in hosts))
+    kv_tokens = _max_model_len(extra, source.config)
     try:
-        stages = placement.plan(hosts, cost, gpu_memory_utilization, _max_model_len(extra, source.config))
+        stages = placement.plan(hosts, cost, gpu_memory_utilization, kv_tokens)
     except placement.PlacementError as e:
         fail(str(e), code=1)
     cluster.show_plan(stages, console)
@@ -172,7 +173,12 @@ def up(
     if any(not s.host.local for s in stages):  # hosts without a copy fetch their layers from here
         try:
             store = cluster.start_model_store(source, _served_name(source), ip, token, console)
-        except (ModelLoadError, OSError) as e:
+            stages = cluster.leave_out_hosts_without_room(
+                stages, hosts, lambda hosts: placement.plan(hosts, cost, gpu_memory_utilization, kv_tokens),
+                store, token, console)
+        except (ModelLoadError, OSError, placement.PlacementError) as e:
+            if store:
+                store.stop()
             fail(str(e), code=1)
     try:
         _run_server(source, host, port, gpu_memory_utilization, extra, planned=stages, local_ip=ip)

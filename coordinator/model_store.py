@@ -7,6 +7,7 @@ no hash.
 """
 
 import logging
+import os
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import grpc
 
 from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.proto import cluster_pb2_grpc as pb_grpc
-from metal_cluster.stage_worker import cluster_tls
+from metal_cluster.stage_worker import chunk_wire, cluster_tls
 from metal_cluster.stage_worker import manifest as manifests
 from metal_cluster.stage_worker.model_source import ModelSource
 
@@ -36,7 +37,8 @@ class ModelStoreService(pb_grpc.ModelStoreServicer):
         self._check_version(request.version, context)
         return self.manifest
 
-    def Read(self, request, context) -> Iterator[pb.ReadChunk]:
+    def Read(self, request, context) -> Iterator[bytes]:
+        """ReadChunk messages, already in their wire bytes (chunk_wire.py says why)."""
         self._check_version(request.version, context)
         if request.manifest_sha256 != self.manifest.sha256:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -54,15 +56,14 @@ class ModelStoreService(pb_grpc.ModelStoreServicer):
             if p.offset < 0 or p.length < 0 or p.offset + p.length > entry.size:
                 context.abort(grpc.StatusCode.OUT_OF_RANGE, f"{request.path}: bytes [{p.offset}, "
                               f"{p.offset + p.length}) are outside its {entry.size} bytes")
-        with open(path, "rb") as f:
+        with open(path, "rb", buffering=0) as f:
             for p in request.pieces:
-                f.seek(p.offset)
                 at, end = p.offset, p.offset + p.length
                 while at < end:
-                    data = f.read(min(CHUNK_BYTES, end - at))
+                    data = os.pread(f.fileno(), min(CHUNK_BYTES, end - at), at)
                     if not data:
                         context.abort(grpc.StatusCode.DATA_LOSS, f"{path} is shorter than its manifest says")
-                    yield pb.ReadChunk(offset=at, data=data)
+                    yield chunk_wire.encode(at, data)
                     at += len(data)
 
     def _check_version(self, version: int, context) -> None:
@@ -70,6 +71,18 @@ class ModelStoreService(pb_grpc.ModelStoreServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"proto version {version} is not this coordinator's {PROTO_VERSION}; "
                           "run the same metal-cluster on every host")
+
+
+def _handlers(service: ModelStoreService) -> grpc.GenericRpcHandler:
+    """The generated servicer's handlers, but Read's messages go out as the bytes it made."""
+    service_name = pb.DESCRIPTOR.services_by_name["ModelStore"].full_name
+    return grpc.method_handlers_generic_handler(service_name, {
+        "Manifest": grpc.unary_unary_rpc_method_handler(
+            service.Manifest, request_deserializer=pb.ManifestRequest.FromString,
+            response_serializer=pb.ManifestResponse.SerializeToString),
+        "Read": grpc.unary_stream_rpc_method_handler(
+            service.Read, request_deserializer=pb.ReadRequest.FromString, response_serializer=bytes),
+    })
 
 
 def _stamp(path: Path) -> tuple[int, int]:
@@ -92,7 +105,7 @@ def start(source: ModelSource, name: str, host: str, token: str, port: int = 0,
     """Build (or reuse) the manifest and serve it on host:port (0: a free port)."""
     manifest = manifests.build(source, name, progress)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="store"))
-    pb_grpc.add_ModelStoreServicer_to_server(ModelStoreService(manifest, manifests.model_files(source)), server)
+    server.add_generic_rpc_handlers([_handlers(ModelStoreService(manifest, manifests.model_files(source)))])
     bound = cluster_tls.add_port(server, f"{host}:{port}", token, "model-store")
     if not bound:
         raise OSError(f"the model store cannot listen on {host}:{port}")

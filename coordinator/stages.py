@@ -149,6 +149,9 @@ class RemoteStage:
     def start(self, req):
         return self._call(self.stub.Start, req)
 
+    def weights_room(self, req):
+        return self._call(self.stub.WeightsRoom, req, 60)  # it fetches the small files only
+
     def health(self, timeout=5, heartbeat=False):
         return self._call(self.stub.Health, pb.HealthRequest(version=PROTO_VERSION, heartbeat=heartbeat), timeout)
 

@@ -1,6 +1,7 @@
 """`metal-cluster up`: find workers, check they share our token, and plan who runs which layers."""
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 from rich.console import Console
@@ -9,6 +10,7 @@ from rich.table import Table
 from metal_cluster.coordinator.discovery import Found, browse, static_peers
 from metal_cluster.coordinator.placement import Host, StagePlan
 from metal_cluster.coordinator.stages import RemoteStage, StageCallError
+from metal_cluster.proto import PROTO_VERSION, pb
 
 
 ORPHANED_S = 3.0  # three missed heartbeats: the worker's coordinator is gone
@@ -116,3 +118,36 @@ def show_plan(stages: list[StagePlan], console: Console) -> None:
         table.add_row(str(k), s.host.name + (" (this host)" if s.host.local else ""), s.host.grpc_address,
                       f"{s.host.memory_total / 2**30:.0f} GiB", f"[{s.start}, {s.end})")
     console.print(table)
+
+
+def leave_out_hosts_without_room(stages: list[StagePlan], hosts: list[Host], replan, store, token: str,
+                                 console: Console) -> list[StagePlan]:
+    """Ask each worker of the plan whether its cache can hold its layers' weights; plan again
+    (`replan(hosts)`) without those that cannot, until all can. Each round leaves one out at least,
+    so it ends: with a plan, or with the PlacementError of hosts too few to hold the model."""
+    while True:
+        remote = [s for s in stages if not s.host.local]
+        with ThreadPoolExecutor(max_workers=max(1, len(remote))) as pool:
+            refusals = dict(zip((s.host.grpc_address for s in remote),
+                                pool.map(lambda s: _room_refusal(s, store, token), remote)))
+        refused = {address: why for address, why in refusals.items() if why}
+        if not refused:
+            return stages
+        for address, why in refused.items():
+            console.print(f"  left out {address}: {why}")
+        hosts = [h for h in hosts if h.grpc_address not in refused]
+        stages = replan(hosts)
+        show_plan(stages, console)
+
+
+def _room_refusal(stage: StagePlan, store, token: str) -> str:
+    """Why the stage's host cannot hold its layers ("" if it can)."""
+    remote = RemoteStage(stage.host.grpc_address, token=token)
+    try:
+        return remote.weights_room(pb.WeightsRoomRequest(
+            version=PROTO_VERSION, model_store=store.address, manifest_sha256=store.manifest.sha256,
+            layer_start=stage.start, layer_end=stage.end)).refusal
+    except StageCallError as e:
+        return f"cannot fetch its layers from this coordinator: {e}"
+    finally:
+        remote.close()

@@ -414,3 +414,25 @@ class ReadChunk(_message.Message):
     offset: int
     data: bytes
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class WeightsRoomRequest(_message.Message):
+    __slots__ = ("version", "model_store", "manifest_sha256", "layer_start", "layer_end")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_STORE_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
+    LAYER_START_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    model_store: str
+    manifest_sha256: str
+    layer_start: int
+    layer_end: int
+    def __init__(self, version: _Optional[int] = ..., model_store: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+
+class WeightsRoomResponse(_message.Message):
+    __slots__ = ("need_bytes", "refusal")
+    NEED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REFUSAL_FIELD_NUMBER: _ClassVar[int]
+    need_bytes: int
+    refusal: str
+    def __init__(self, need_bytes: _Optional[int] = ..., refusal: _Optional[str] = ...) -> None: ...

@@ -180,6 +180,11 @@ class StageStub:
                 request_serializer=cluster__pb2.ResetRequest.SerializeToString,
                 response_deserializer=cluster__pb2.ResetResponse.FromString,
                 _registered_method=True)
+        self.WeightsRoom = channel.unary_unary(
+                '/metal_cluster.v1.Stage/WeightsRoom',
+                request_serializer=cluster__pb2.WeightsRoomRequest.SerializeToString,
+                response_deserializer=cluster__pb2.WeightsRoomResponse.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -221,6 +226,13 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WeightsRoom(self, request, context):
+        """Before a plan runs: can this worker's cache hold a stage's weights? One that cannot is left out.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -253,6 +265,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Reset,
                     request_deserializer=cluster__pb2.ResetRequest.FromString,
                     response_serializer=cluster__pb2.ResetResponse.SerializeToString,
+            ),
+            'WeightsRoom': grpc.unary_unary_rpc_method_handler(
+                    servicer.WeightsRoom,
+                    request_deserializer=cluster__pb2.WeightsRoomRequest.FromString,
+                    response_serializer=cluster__pb2.WeightsRoomResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -417,6 +434,33 @@ class Stage:
             '/metal_cluster.v1.Stage/Reset',
             cluster__pb2.ResetRequest.SerializeToString,
             cluster__pb2.ResetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WeightsRoom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/metal_cluster.v1.Stage/WeightsRoom',
+            cluster__pb2.WeightsRoomRequest.SerializeToString,
+            cluster__pb2.WeightsRoomResponse.FromString,
             options,
             channel_credentials,
             insecure,

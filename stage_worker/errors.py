@@ -3,3 +3,7 @@
 
 class ModelLoadError(Exception):
     """A model folder or file cannot be served (missing file, unsupported architecture, corrupt data)."""
+
+
+class NoRoomError(ModelLoadError):
+    """The worker's disk, or its --cache-limit, cannot hold the weights of the layers it was given."""

@@ -18,7 +18,7 @@ from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.stage_worker import memory
 from metal_cluster.stage_worker.dtypes import dtype_name, from_name
 from metal_cluster.stage_worker.auth import resolve_token
-from metal_cluster.stage_worker.fetch import FetchProgress, fetch_stage
+from metal_cluster.stage_worker.fetch import FetchProgress, fetch_stage, weights_room
 from metal_cluster.stage_worker.kv_layout import KVLayout
 from metal_cluster.stage_worker.model_source import resolve_model
 from metal_cluster.stage_worker.paged_kv import KVPool, bytes_per_block
@@ -113,6 +113,11 @@ class StageHost:
         fetched = fetch_stage(req.model_store, req.manifest_sha256, req.layer_start, req.layer_end,
                               self.token or resolve_token(), self.fetch, cache_limit=self.cache_limit)
         return load_shard(resolve_model(fetched.folder), req.layer_start, req.layer_end, fetched.tensors)
+
+    def weights_room(self, req: pb.WeightsRoomRequest) -> pb.WeightsRoomResponse:
+        check_version(req.version)
+        return weights_room(req.model_store, req.manifest_sha256, req.layer_start, req.layer_end,
+                            self.token or resolve_token(), cache_limit=self.cache_limit)
 
     def start(self, req: pb.StartRequest) -> pb.StartResponse:
         check_version(req.version)

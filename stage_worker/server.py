@@ -68,6 +68,16 @@ class StageService(pb_grpc.StageServicer):
         return resp
 
     @_rpc
+    def WeightsRoom(self, req):
+        resp = self.host.weights_room(req)
+        if resp.refusal:
+            log.warning("no room for layers [%d, %d): %s", req.layer_start, req.layer_end, resp.refusal)
+        else:
+            log.info("room for layers [%d, %d): %d bytes of weights to fetch", req.layer_start, req.layer_end,
+                     resp.need_bytes)
+        return resp
+
+    @_rpc
     def Start(self, req):
         resp = self.host.start(req)
         log.info("serving as stage %d of %d with %d KV blocks", req.rank, req.world_size, req.num_blocks)

@@ -65,6 +65,15 @@ class BlobStore:
                         "fetching them again", bad, entry.path)
         return out
 
+    def unrecorded_bytes(self, wanted) -> int:
+        """Bytes of the wanted (entry, pieces) the blobs do not list as arrived, not hashed again:
+        a quick estimate of what a fetch moves (a piece corrupted since is fetched on top)."""
+        total = 0
+        for entry, pieces in wanted:
+            have = self.recorded(entry.sha256)
+            total += sum(p.length for p in pieces if (p.offset, p.length, p.sha256) not in have)
+        return total
+
     def open_for_write(self, entry: pb.ModelFile) -> int:
         path = self.path(entry.sha256)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)

@@ -14,7 +14,7 @@ from mlx.utils import tree_flatten
 from metal_cluster.coordinator import model_store
 from metal_cluster.stage_worker import manifest as manifests
 from metal_cluster.stage_worker.errors import ModelLoadError
-from metal_cluster.stage_worker.fetch import FetchProgress, fetch_stage
+from metal_cluster.stage_worker.fetch import FetchProgress, fetch_stage, weights_room
 from metal_cluster.stage_worker.model_source import resolve_model
 from metal_cluster.stage_worker.shard import load_shard
 
@@ -178,6 +178,18 @@ def test_the_manifest_is_cached(model, tmp_path, monkeypatch):
     assert manifests.build(source, "tiny", cache=tmp_path / "m").sha256 != first.sha256
 
 
+def test_chunks_by_hand_are_protobuf_read_chunks():
+    from metal_cluster.proto import pb
+    from metal_cluster.stage_worker import chunk_wire
+
+    for offset, data in ((0, b"abc"), (300, b""), (2**40 + 5, bytes(range(256)) * 3)):
+        assert pb.ReadChunk.FromString(chunk_wire.encode(offset, data)) == pb.ReadChunk(offset=offset, data=data)
+        got = chunk_wire.decode(pb.ReadChunk(offset=offset, data=data).SerializeToString())
+        assert (got[0], bytes(got[1])) == (offset, data)
+    with pytest.raises(ValueError, match="cut short"):
+        chunk_wire.decode(chunk_wire.encode(7, b"abcdef")[:-2])
+
+
 def test_cut_covers_files_in_pieces():
     from metal_cluster.proto import pb
 
@@ -238,11 +250,16 @@ def test_a_cache_limit_evicts_other_models_least_recently_used_first(model, tmp_
     weights = next(f for f in first.manifest.files if f.format == "safetensors").sha256
     second = _start(other, tmp_path)
     try:
+        # Asked before a plan runs: too small a limit is an answer (the worker is left out), not an error.
+        room = weights_room(second.address, second.manifest.sha256, 0, 4, TOKEN, root=cache, cache_limit=size // 2)
+        assert "--cache-limit" in room.refusal
         with pytest.raises(ModelLoadError, match="--cache-limit"):
             fetch_stage(second.address, second.manifest.sha256, 0, 4, TOKEN, root=cache, cache_limit=size // 2)
         # Room for one model: the first one's files go, except those the second shares (same hash).
         got = fetch_stage(second.address, second.manifest.sha256, 0, 4, TOKEN, root=cache,
                           cache_limit=int(1.5 * size))
+        room = weights_room(second.address, second.manifest.sha256, 0, 4, TOKEN, root=cache, cache_limit=size // 2)
+        assert (room.need_bytes, room.refusal) == (0, "")  # all in the cache: nothing to make room for
     finally:
         second.stop()
     assert got.received > 0

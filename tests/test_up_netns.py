@@ -36,25 +36,32 @@ print(json.dumps(out))
 
 @pytest.fixture
 def lan():
-    with netns.lan(4) as members:
+    with netns.lan(5) as members:
         yield members
 
 
-def start_worker(ns, address, tmp_path, token=TOKEN, hide=None):
+def start_worker(ns, address, tmp_path, token=TOKEN, hide=None, disk=None):
     """A worker with a cache of its own; `hide`: a folder it cannot see (an empty tmpfs over it), so
-    that the model is on the coordinator's disk only."""
+    that the model is on the coordinator's disk only; `disk`: its cache on a disk of that size."""
     cmd = [*PY, "worker", "--host", address, "--port", "7760", "--ring-port", "7761", "--cluster-token", token]
-    if hide:  # `ip netns exec` gives the command a mount namespace of its own: the host keeps its view
-        cmd = ["sh", "-c", f'mount -t tmpfs none "{hide}" && exec "$@"', "sh", *cmd]
-    env = {**os.environ, "METAL_CLUSTER_CACHE": str(tmp_path / f"cache-{address}")}
-    return netns.popen(ns, cmd, tmp_path / f"worker-{address}.log", env=env)
+    cache = tmp_path / f"cache-{address}"
+    # `ip netns exec` gives the command a mount namespace of its own: the host keeps its view.
+    mounts = [f'mount -t tmpfs none "{hide}"'] if hide else []
+    if disk:
+        cache.mkdir()
+        mounts.append(f'mount -t tmpfs -o size={disk} none "{cache}"')
+    if mounts:
+        cmd = ["sh", "-c", " && ".join([*mounts, 'exec "$@"']), "sh", *cmd]
+    return netns.popen(ns, cmd, tmp_path / f"worker-{address}.log", env={**os.environ, "METAL_CLUSTER_CACHE": str(cache)})
 
 
 def fetched(log_path):
-    """(layers, bytes the worker fetched) since its last assignment, from its log."""
+    """(layers, bytes the worker fetched) for its last assignment, from its log: since the load
+    before it, as `up` first asks for room (and the small files come then), then assigns."""
     text = log_path.read_text()
-    last = text[text.rindex("assigned layers"):]
-    layers = tuple(int(x) for x in re.search(r"assigned layers \[(\d+), (\d+)\)", last).groups())
+    assigned = text.rindex("assigned layers")
+    last = text[max(0, text.rfind("loaded: ", 0, assigned)):]
+    layers = tuple(int(x) for x in re.search(r"assigned layers \[(\d+), (\d+)\)", text[assigned:]).groups())
     return layers, sum(int(n) for n in re.findall(r"fetched (\d+) bytes", last))
 
 
@@ -95,8 +102,9 @@ def wait_healthy(ns, url, proc, log, timeout=300):
     raise AssertionError("up never became healthy:\n" + open(log).read()[-4000:])
 
 
-def check_cluster(lan, tmp_path, model, up_flags, start_workers=True, log_name="up.log"):
-    (ns_a, ip_a), (ns_b, ip_b), (ns_c, ip_c), (ns_d, ip_d) = lan
+def check_cluster(lan, tmp_path, model, up_flags, start_workers=True, log_name="up.log", no_room=False):
+    """`no_room`: a fifth host whose disk holds the small files but not a layer is in the plan first."""
+    (ns_a, ip_a), (ns_b, ip_b), (ns_c, ip_c), (ns_d, ip_d), (ns_e, ip_e) = lan
     capture_path = tmp_path / f"{log_name}.capture"
     capture = netns.popen(netns.bridge_namespace(), [sys.executable, "-c", netns.CAPTURE, str(capture_path)],
                           tmp_path / f"{log_name}.capture.log")
@@ -104,6 +112,8 @@ def check_cluster(lan, tmp_path, model, up_flags, start_workers=True, log_name="
         for ns, ip in ((ns_b, ip_b), (ns_c, ip_c)):
             start_worker(ns, ip, tmp_path, hide=model)  # no copy of the model: they fetch their layers
         start_worker(ns_d, ip_d, tmp_path, token="not-the-token")  # must be left out
+        if no_room:  # room for the small files, not for a layer: it refuses, and `up` plans without it
+            start_worker(ns_e, ip_e, tmp_path, hide=model, disk="128k")
     log = tmp_path / log_name
     up = netns.popen(ns_a, [*PY, "up", str(model), "--interface", ip_a, "--host", ip_a, "--port", "8000",
                             "--cluster-token", TOKEN, "--gpu-memory-utilization", "0.05", "--max-model-len", "512",
@@ -124,6 +134,12 @@ def check_cluster(lan, tmp_path, model, up_flags, start_workers=True, log_name="
     assert len(left_out) == 1 and "not from this cluster's token" in left_out[0], text[-3000:]
     assert "placement" in text and "over 3 stage(s)" in text  # the plan, printed, then run on 3 stages
     assert "assigned" not in (tmp_path / f"worker-{ip_d}.log").read_text()
+    if no_room:
+        refused = [line for line in text.splitlines() if "left out" in line and f"{ip_e}:7760" in line]
+        assert len(refused) == 1 and "this worker's disk has" in refused[0] and "free space" in refused[0], text[-3000:]
+        assert text.index(refused[0]) < text.rindex("placement")  # planned again without it
+        worker_e = (tmp_path / f"worker-{ip_e}.log").read_text()
+        assert "no room for layers" in worker_e and "assigned" not in worker_e, worker_e[-3000:]
     # Everything between the hosts (gRPC control, the ring's hidden states) crossed the bridge; the
     # token never did: the control plane is TLS keyed by it, and nothing else carries it.
     wire = capture_path.read_bytes()
@@ -144,11 +160,12 @@ def test_up_finds_workers_by_mdns_alone(lan, tmp_path, llama_model):
 
 def test_up_with_static_peers_and_mdns_off(lan, tmp_path, llama_model):
     """Also: workers with no copy of the model fetch their layers' share of it; a second `up` moves no
-    weight bytes, but fetches again the one piece corrupted in a worker's cache."""
-    (ns_a, _), (_, ip_b), (_, ip_c), (_, ip_d) = lan
-    peers = f"{ip_b}:7760,{ip_c}:7760,{ip_d}:7760"
+    weight bytes, but fetches again the one piece corrupted in a worker's cache; a worker whose disk
+    cannot hold its layers is left out of both plans."""
+    (ns_a, _), (_, ip_b), (_, ip_c), (_, ip_d), (_, ip_e) = lan
+    peers = f"{ip_b}:7760,{ip_c}:7760,{ip_d}:7760,{ip_e}:7760"
     flags = ["--no-mdns", "--peers", peers, "--discovery-timeout", "60"]
-    text = check_cluster(lan, tmp_path, llama_model, flags)
+    text = check_cluster(lan, tmp_path, llama_model, flags, no_room=True)
     assert "looking for workers" not in text and "model store:" in text
     for ip in (ip_b, ip_c):
         (a, b), received = fetched(tmp_path / f"worker-{ip}.log")
@@ -167,7 +184,7 @@ def test_up_with_static_peers_and_mdns_off(lan, tmp_path, llama_model):
         byte = f.read(1)
         f.seek(offset + length // 2)
         f.write(bytes([byte[0] ^ 0xFF]))
-    check_cluster(lan, tmp_path, llama_model, flags, start_workers=False, log_name="up-again.log")
+    check_cluster(lan, tmp_path, llama_model, flags, start_workers=False, log_name="up-again.log", no_room=True)
     assert fetched(tmp_path / f"worker-{ip_b}.log")[1] == 0  # nothing moved: all in its cache
     assert "failed their hash" not in (tmp_path / f"worker-{ip_b}.log").read_text()
     assert fetched(tmp_path / f"worker-{ip_c}.log") == ((a, b), length)  # only the corrupted piece
@@ -214,7 +231,7 @@ def test_a_lost_host_mid_traffic_is_healed_around(lan, tmp_path, llama_model, fa
     import signal
     import subprocess
 
-    (ns_a, ip_a), (ns_b, ip_b), (ns_c, ip_c), _ = lan
+    (ns_a, ip_a), (ns_b, ip_b), (ns_c, ip_c), *_ = lan
     for ns, ip in ((ns_b, ip_b), (ns_c, ip_c)):
         start_worker(ns, ip, tmp_path, hide=llama_model)
     log = tmp_path / "up.log"

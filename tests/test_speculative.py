@@ -15,7 +15,7 @@ import openai
 import pytest
 from mlx_lm.utils import load
 
-from references import mlx_lm_greedy
+from references import mlx_lm_greedy, mlx_lm_masked_greedy
 from server_process import free_port, running_server
 
 from metal_cluster.coordinator.ngram import propose
@@ -65,19 +65,7 @@ def _complete(client, prompt, n, **extra):
                                      extra_body={"ignore_eos": True, "return_token_ids": True, **extra}).choices[0]
 
 
-def _masked_greedy_and_logprobs(model, ids, n, allowed):
-    """mlx-lm's greedy argmax over `allowed` only, and the raw log-softmax of each chosen token."""
-    tokens, logprobs = list(ids), []
-    for _ in range(n):
-        logits = model(mx.array(tokens)[None])[0, -1].astype(mx.float32)
-        raw = logits - mx.logsumexp(logits)
-        token = max(allowed, key=lambda t: logits[t].item())
-        tokens.append(token)
-        logprobs.append(raw[token].item())
-    return tokens[len(ids):], logprobs
-
-
-def _accepted(url) -> float:
+def accepted_drafts(url) -> float:
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
     return sum(float(line.split()[-1]) for line in text.splitlines()
@@ -89,23 +77,23 @@ def test_greedy_with_ngram_is_greedy_without(clients, llama_model):
     ref, tokenizer = load(str(llama_model))
     prompts = [tokenizer.encode(p) for p in ("Hello world, this is a test", "The quick brown fox jumps over",
                                              "A B A B A B A B", "Tea or coffee?")]
-    before = _accepted(urls[1])
+    before = accepted_drafts(urls[1])
     with concurrent.futures.ThreadPoolExecutor(8) as pool:  # drafting requests batched with others
         plain = [pool.submit(_complete, spec, ids, 24) for ids in prompts]
         few = [pool.submit(_complete, spec, ids, 24, allowed_token_ids=FEW, logprobs=1) for ids in prompts]
         for ids, got in zip(prompts, plain):
             assert got.result().token_ids == mlx_lm_greedy(ref, ids, 24)
         for ids, got in zip(prompts, few):
-            expected, logprobs = _masked_greedy_and_logprobs(ref, ids, 24, FEW)
+            expected, logprobs = mlx_lm_masked_greedy(ref, ids, 24, FEW)
             assert got.result().token_ids == expected
             # Logprobs of accepted drafts too: vLLM's raw logprobs (before allowed_token_ids).
             assert np.allclose(got.result().logprobs.token_logprobs, logprobs, atol=1e-4)
-    assert _accepted(urls[1]) - before >= 20  # the drafts were used, not only made
+    assert accepted_drafts(urls[1]) - before >= 20  # the drafts were used, not only made
 
 
 def test_json_schema_and_stop_string_mid_draft_match_plain(clients, llama_model):
     (plain, spec), urls = clients
-    before = _accepted(urls[1])
+    before = accepted_drafts(urls[1])
     schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red red red red", "blue"]},
                                                "count": {"type": "integer"}},
               "required": ["colour", "count"], "additionalProperties": False}
@@ -129,7 +117,7 @@ def test_json_schema_and_stop_string_mid_draft_match_plain(clients, llama_model)
     got = [_complete(c, prompt, 32, allowed_token_ids=FEW, stop=[stop]) for c in (plain, spec)]
     assert got[1].text == got[0].text and got[1].finish_reason == got[0].finish_reason == "stop"
     assert len(got[1].text) < len(free.text)
-    assert _accepted(urls[1]) > before
+    assert accepted_drafts(urls[1]) > before
 
 
 def _chi_square(tokens: np.ndarray, p: np.ndarray) -> float:

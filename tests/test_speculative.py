@@ -15,9 +15,11 @@ import openai
 import pytest
 from mlx_lm.utils import load
 
+import tiny_models
 from references import mlx_lm_greedy, mlx_lm_masked_greedy
 from server_process import free_port, running_server
 
+from metal_cluster.coordinator import speculation
 from metal_cluster.coordinator.ngram import propose
 from metal_cluster.proto import pb
 from metal_cluster.stage_worker.sampler import SampleRow, sample
@@ -165,7 +167,6 @@ def _serve_error(model, config: str) -> str:
 
 
 def test_a_bad_speculative_config_stops_the_server_at_start(llama_model, tmp_path):
-    assert "method 'medusa' is not served" in _serve_error(llama_model, '{"method": "medusa", "num_speculative_tokens": 2}')
     draft = tmp_path / "draft"
     draft.mkdir()
     config = json.loads((llama_model / "config.json").read_text())
@@ -173,4 +174,13 @@ def test_a_bad_speculative_config_stops_the_server_at_start(llama_model, tmp_pat
     line = _serve_error(llama_model, json.dumps({"method": "draft_model", "model": str(draft),
                                                  "num_speculative_tokens": 2}))
     assert f"vocabulary of {config['vocab_size'] + 7} tokens" in line and str(config["vocab_size"]) in line
-    assert "num_speculative_tokens" in _serve_error(llama_model, '{"method": "ngram"}')
+    # The rest without a process each: the same check, before vLLM starts.
+    def problem(config):
+        return speculation.problem(["--max-model-len", "64", "--speculative-config", config], llama_model)
+    assert "method 'medusa' is not served" in problem('{"method": "medusa", "num_speculative_tokens": 2}')
+    assert "num_speculative_tokens" in problem('{"method": "ngram"}')
+    assert "not JSON" in problem("{method: ngram}")
+    assert problem(NGRAM) is None
+    assert speculation.problem(["--speculative-config=" + NGRAM], llama_model) is None
+    hybrid = tiny_models.build_tiny_model("qwen3_next", tmp_path / "hybrid")
+    assert "recurrent layers" in speculation.problem(["--speculative-config", NGRAM], hybrid)

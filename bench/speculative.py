@@ -3,15 +3,19 @@ answers repeat the prompt (edit / proofread a given text), the embedded SmolLM2 
 
   .venv/bin/python bench/speculative.py [--stages 1,3] [--concurrency 1,8] [--max-tokens 128]
 
-Each configuration gets its own server (plain, then `--speculative-config` ngram), one after the
-other; every request is greedy and streams, so the answer is the same on both sides (checked).
+For each stage count a plain server and an ngram one (`--speculative-config`) run side by side,
+and the measurements alternate between them (plain c=1, ngram c=1, plain c=8, ...; `--repeats`
+times; medians), so a change in the machine's load hits both alike. Every request is greedy and
+streams; the answers must be the same on both sides (checked).
 """
 
 import argparse
 import concurrent.futures as cf
+import contextlib
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -56,9 +60,9 @@ def one(client, i: int, max_tokens: int) -> tuple[list[int], float]:
     return tokens, time.perf_counter() - first
 
 
-def workload(client, concurrency: int, max_tokens: int, rounds: int) -> tuple[float, list[list[int]]]:
+def workload(client, concurrency: int, max_tokens: int) -> tuple[float, list[list[int]]]:
     """Output tokens/s over all streams (wall clock), and the answers in request order."""
-    n = concurrency * rounds
+    n = max(2, concurrency)
     start = time.perf_counter()
     with cf.ThreadPoolExecutor(concurrency) as pool:
         results = list(pool.map(lambda i: one(client, i, max_tokens), range(n)))
@@ -84,29 +88,38 @@ def main():
     parser.add_argument("--stages", default="1,3")
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--rounds", type=int, default=2, help="requests per stream")
+    parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     print(f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for stages in (int(s) for s in args.stages.split(",")):
-            results = {}
-            for mode in ("plain", "ngram"):
-                extra = ["--max-model-len", "2048", "--max-num-batched-tokens", "512", "--max-num-seqs", "16"]
-                extra += ["-pp", str(stages)] if stages > 1 else []
-                extra += ["--speculative-config", json.dumps(NGRAM)] if mode == "ngram" else []
-                with running_server(None, *extra, log_path=Path(work) / f"{mode}-{stages}.log", timeout=900) as url:
-                    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=600, max_retries=0)
-                    one(client, 0, 8)  # warm
+            with contextlib.ExitStack() as servers:
+                clients, urls = {}, {}
+                for mode in ("plain", "ngram"):
+                    extra = ["--max-model-len", "2048", "--max-num-batched-tokens", "512", "--max-num-seqs", "16"]
+                    extra += ["-pp", str(stages)] if stages > 1 else []
+                    extra += ["--speculative-config", json.dumps(NGRAM)] if mode == "ngram" else []
+                    urls[mode] = servers.enter_context(
+                        running_server(None, *extra, log_path=Path(work) / f"{mode}-{stages}.log", timeout=900))
+                    clients[mode] = openai.OpenAI(base_url=f"{urls[mode]}/v1", api_key="unused", timeout=600,
+                                                  max_retries=0)
+                    one(clients[mode], 0, 8)  # warm
+                results = {}
+                for _ in range(args.repeats):
                     for c in levels:
-                        results[mode, c] = workload(client, c, args.max_tokens, args.rounds)
-                        print(f"{stages} stage(s) {mode} c={c}: {results[mode, c][0]:.1f} tok/s", flush=True)
-                    results[mode, "acceptance"] = acceptance(url)
+                        for mode in ("plain", "ngram"):
+                            rate, answers = workload(clients[mode], c, args.max_tokens)
+                            results.setdefault((mode, c), []).append(rate)
+                            results[mode, c, "answers"] = answers
+                            print(f"{stages} stage(s) {mode} c={c}: {rate:.1f} tok/s (load {os.getloadavg()[0]:.1f})",
+                                  flush=True)
+                rate, mean = acceptance(urls["ngram"])
             for c in levels:
-                (plain, a), (spec, b) = results["plain", c], results["ngram", c]
+                plain, spec = (statistics.median(results[m, c]) for m in ("plain", "ngram"))
+                a, b = results["plain", c, "answers"], results["ngram", c, "answers"]
                 same = "yes" if a == b else f"no ({sum(x != y for x, y in zip(a, b))} of {len(a)} differ)"
-                rate, mean = results["ngram", "acceptance"]
                 rows.append(f"| {stages} | {c} | {plain:.1f} | {spec:.1f} | {spec / plain:.2f}x | {rate:.0%} | {mean:.2f} | {same} |")
     print("\n| stages | concurrency | plain tok/s | ngram tok/s | ratio | draft acceptance | tokens per draft step | same tokens |")
     print("|---:|---:|---:|---:|---:|---:|---:|---|")

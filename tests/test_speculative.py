@@ -91,6 +91,10 @@ def test_greedy_with_ngram_is_greedy_without(clients, llama_model):
             # Logprobs of accepted drafts too: vLLM's raw logprobs (before allowed_token_ids).
             assert np.allclose(got.result().logprobs.token_logprobs, logprobs, atol=1e-4)
     assert accepted_drafts(urls[1]) - before >= 20  # the drafts were used, not only made
+    status = subprocess.run([sys.executable, "-m", "metal_cluster.coordinator", "status", "--json", "--url", urls[1]],
+                            capture_output=True, text=True, timeout=60)
+    spec = json.loads(status.stdout)["speculative"]
+    assert spec["accepted_tokens"] >= 20 and 0 < spec["acceptance_rate"] <= 1 and spec["mean_accepted_length"] > 1
 
 
 def test_json_schema_and_stop_string_mid_draft_match_plain(clients, llama_model):

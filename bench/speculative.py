@@ -1,7 +1,7 @@
 """n-gram speculative decoding vs none, side by side in one run: output tokens/s on a workload whose
 answers repeat the prompt (edit / proofread a given text), the embedded SmolLM2 over 1 and 3 stages.
 
-  .venv/bin/python bench/speculative.py [--stages 1,3] [--concurrency 1,8] [--max-tokens 128]
+  .venv/bin/python bench/speculative.py [--stages 1,3] [--concurrency 1,8] [--max-tokens 96] [--workload repeat|free]
 
 For each stage count a plain server and an ngram one (`--speculative-config`) run side by side,
 and the measurements alternate between them (plain c=1, ngram c=1, plain c=8, ...; `--repeats`
@@ -43,7 +43,14 @@ TEXTS = [
 ]
 
 
+FREE = ["Write a short story about a lighthouse keeper.", "Explain how bread rises, for a child.",
+        "Invent a recipe with apples and cheese.", "Describe a walk through a forest in autumn."]
+WORKLOAD = "repeat"
+
+
 def messages(i: int) -> list[dict]:
+    if WORKLOAD == "free":  # answers that do not repeat the prompt: drafts are seldom right
+        return [{"role": "user", "content": FREE[i % len(FREE)]}]
     text = TEXTS[i % len(TEXTS)]
     return [{"role": "user", "content": f"Repeat this text exactly, word for word, then stop:\n\n{text}"}]
 
@@ -89,7 +96,10 @@ def main():
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--workload", choices=("repeat", "free"), default="repeat")
     args = parser.parse_args()
+    global WORKLOAD
+    WORKLOAD = args.workload
     levels = [int(c) for c in args.concurrency.split(",")]
     print(f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
     rows = []

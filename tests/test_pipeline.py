@@ -71,7 +71,8 @@ def test_stages_match_mlx_lm(tiny_model, stages, tmp_path):
             assert [d.result() for d in drafting] == few
         assert got == expected
         assert accepted_drafts(url) > 0
-        _check_stop_string_and_grammar(client, prompts[0])
+        if tiny_model.name.startswith("llama"):  # one family is enough for what the grammar and stop strings add
+            _check_stop_string_and_grammar(client, prompts[0])
         # A prefix-cache hit: the long prompt again, now with more after it.
         longer = prompts[4] + prompts[1]
         assert greedy(client, longer, 8) == mlx_lm_greedy(ref_model, longer, 8)

@@ -265,10 +265,13 @@ def _run_server(source, host, port, utilization, extra, local_stages=0, planned=
     placement over remote workers (plus one local worker where the plan has a stage on this host)."""
     import os
 
-    from metal_cluster.coordinator import local_workers
+    from metal_cluster.coordinator import local_workers, speculation
     from metal_cluster.coordinator import serve as server
     from metal_cluster.coordinator.executor_env import LOCAL_STAGES_ENV
 
+    bad_speculation = speculation.problem(extra, source.folder)
+    if bad_speculation:
+        fail(bad_speculation)
     extra = extra + ["--gpu-memory-utilization", str(utilization)]
     if planned:
         local_stages = sum(1 for s in planned if s.host.local)

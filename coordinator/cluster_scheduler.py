@@ -20,8 +20,10 @@ from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import RequestStatus
 
 from metal_cluster.coordinator.cluster_control import CONTROL_KEY
+from metal_cluster.coordinator.ngram import NgramDrafter
 
 HOLD_POLL_S = 0.05
 
@@ -50,6 +52,7 @@ class ClusterScheduler(Scheduler):
         self.fenced = []  # blocks above the current plan's capacity
         self.held: dict[str, float] = {}  # request id -> when the outage took it back
         self.paused_for_drain = False
+        self.drafter = NgramDrafter.from_config(self.vllm_config.speculative_config, self.max_model_len)
 
     def schedule(self, *args, **kwargs):
         if self.control is not None:
@@ -85,9 +88,22 @@ class ClusterScheduler(Scheduler):
             else:  # no plan can serve: the requests this step carried end with the reason
                 self._end(set(scheduler_output.num_scheduled_tokens), failure)
         outputs = super().update_from_output(scheduler_output, model_runner_output)
+        if self.drafter is not None and failure is None:
+            self._draft(scheduler_output)
         if self.control is not None and self.control.draining and not self.running:
             self.control.drained.set()
         return outputs
+
+    def _draft(self, scheduler_output) -> None:
+        """The next drafts of the requests this output extended, made here, from the history the
+        output just completed (vLLM's executor hook, take_draft_token_ids, runs after steps that
+        only queued work under pipeline parallelism, before the tokens the drafts follow are known)."""
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING or request.is_prefill_chunk:
+                continue
+            drafts = self.drafter.drafts(request)
+            request.spec_token_ids = self.structured_output_manager.validate_tokens(request, drafts) if drafts else []
 
     # --- an outage: hold, resume or end ----------------------------------------------------------
     def _hold(self, outage_id: int) -> None:

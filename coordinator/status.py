@@ -76,9 +76,23 @@ def collect(url: str, previous: dict | None = None) -> dict:
         },
         "output_tokens_per_s": rate,
         "mean_ttft_s": ttft_sum / ttft_count if ttft_count else None,
+        "speculative": speculative(metrics),
         "_generated": generated,
         "_at": now,
     }
+
+
+def speculative(metrics: str) -> dict | None:
+    """Speculative decoding so far, from vLLM's counters: the share of drafted tokens accepted and
+    the mean tokens a request gains per verifying step (accepted drafts plus the step's own token)."""
+    drafts = _metric(metrics, "vllm:spec_decode_num_drafts_total")
+    if "vllm:spec_decode_num_drafts_total" not in metrics:
+        return None  # served without --speculative-config
+    drafted = _metric(metrics, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = _metric(metrics, "vllm:spec_decode_num_accepted_tokens_total")
+    return {"draft_steps": int(drafts), "drafted_tokens": int(drafted), "accepted_tokens": int(accepted),
+            "acceptance_rate": accepted / drafted if drafted else None,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else None}
 
 
 def public(view: dict) -> dict:
@@ -106,6 +120,10 @@ def render(view: dict) -> Group:
     ttft = f"{view['mean_ttft_s']:.2f}s" if view["mean_ttft_s"] is not None else "-"
     summary = (f"requests: {r['running']} running, {r['waiting']} waiting   "
                f"output: {view['output_tokens_per_s']:.1f} tokens/s   mean TTFT: {ttft}")
+    spec = view.get("speculative")
+    if spec and spec["drafted_tokens"]:
+        summary += (f"   speculative: {spec['acceptance_rate']:.0%} of {spec['drafted_tokens']} drafted tokens accepted, "
+                    f"{spec['mean_accepted_length']:.2f} tokens per verifying step")
     return Group(nodes, stages, summary, *_cluster_lines(view.get("cluster") or {}),
                  f"dashboard: {view['url']}/dashboard")
 

@@ -102,13 +102,16 @@ class StepTranslator:
                 step.new_requests.append(cached)
             else:
                 step.cached_requests.append(cached)
+        drafts = so.scheduled_spec_decode_tokens
         for req_id, n in so.num_scheduled_tokens.items():
-            step.scheduled.append(pb.ScheduledTokens(req_id=req_id, num_tokens=n))
+            step.scheduled.append(pb.ScheduledTokens(req_id=req_id, num_tokens=n, draft_token_ids=drafts.get(req_id, ())))
         for copy in so.kv_cache_block_copies or ():
             step.block_copies.append(pb.BlockCopy(src=copy.src_block_id, dst=copy.dst_block_id))
         if grammar is not None:
             step.grammar_req_ids.extend(grammar.structured_output_request_ids)
             step.grammar_bitmask = np.ascontiguousarray(grammar.grammar_bitmask, dtype=np.int32).tobytes()
+            # With speculative decoding vLLM gives every request 1 + k rows, one per scored position.
+            step.grammar_rows_per_request = len(grammar.grammar_bitmask) // len(grammar.structured_output_request_ids)
         return step
 
     def _cached(self, cached):
@@ -152,7 +155,7 @@ class StepTranslator:
     def record(self, response: pb.StepResponse) -> None:
         if self.stage_keeps_tokens:
             return
-        for s in response.sampled:
+        for s in response.sampled:  # in order, several for a request that verified drafts
             self.unsent[s.req_id].append(s.token_id)
 
 
@@ -161,22 +164,27 @@ def to_runner_output(so, response: pb.StepResponse, prompt_logprobs: dict | None
 
     req_ids = list(so.num_scheduled_tokens)
     index = {r: i for i, r in enumerate(req_ids)}
-    tokens = [[] for _ in req_ids]  # [] = mid-prefill, no token this step
-    by_req = {s.req_id: s for s in response.sampled}
-    for req_id, s in by_req.items():
-        tokens[index[req_id]] = [s.token_id]
+    by_req = defaultdict(list)  # a request that verified drafts has several tokens, in order
+    for s in response.sampled:
+        by_req[s.req_id].append(s)
+    # [] = mid-prefill, no token this step
+    tokens = [[s.token_id for s in by_req.get(r, ())] for r in req_ids]
     logprobs = None
     if any(s.HasField("top") for s in response.sampled):
+        # vLLM's layout: one row per generated token, request after request (cu_num_generated_tokens
+        # says where each starts; a request with no token this step has no row).
+        starts = np.concatenate([[0], np.cumsum([len(t) for t in tokens])]).astype(int).tolist()
         width = 1 + max(len(s.top.token_ids) for s in response.sampled)
-        ids = np.zeros((len(req_ids), width), dtype=np.int32)
-        lps = np.full((len(req_ids), width), -np.inf, dtype=np.float32)
-        ranks = np.zeros(len(req_ids), dtype=np.int32)
-        for req_id, s in by_req.items():
-            row = index[req_id]
-            ids[row, 0], lps[row, 0], ranks[row] = s.token_id, s.logprob, s.rank
-            k = len(s.top.token_ids)
-            ids[row, 1 : 1 + k] = s.top.token_ids
-            lps[row, 1 : 1 + k] = s.top.logprobs
-        logprobs = LogprobsLists(ids, lps, ranks)
+        n = starts[-1]
+        ids = np.zeros((n, width), dtype=np.int32)
+        lps = np.full((n, width), -np.inf, dtype=np.float32)
+        ranks = np.zeros(n, dtype=np.int32)
+        for req_id, sampled in by_req.items():
+            for row, s in enumerate(sampled, start=starts[index[req_id]]):
+                ids[row, 0], lps[row, 0], ranks[row] = s.token_id, s.logprob, s.rank
+                k = len(s.top.token_ids)
+                ids[row, 1 : 1 + k] = s.top.token_ids
+                lps[row, 1 : 1 + k] = s.top.logprobs
+        logprobs = LogprobsLists(ids, lps, ranks, starts[:-1])
     return ModelRunnerOutput(req_ids=req_ids, req_id_to_index=index, sampled_token_ids=tokens, logprobs=logprobs,
                              prompt_logprobs_dict=prompt_logprobs or {})

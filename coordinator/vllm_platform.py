@@ -115,7 +115,10 @@ class MetalClusterPlatform(Platform):
         # vLLM's async scheduling (the next step scheduled while this one runs; the in-process stage
         # keeps its tokens on the device) exists in vLLM 0.33 only without pipeline parallelism, where
         # vLLM's own batch queue already keeps one step in flight per stage.
-        if parallel.pipeline_parallel_size > 1 or os.environ.get(NO_OVERLAP_ENV) == "1":
+        # Speculative drafts are made in the scheduler from the tokens a step returns (cluster_scheduler.py),
+        # so a step can only be scheduled once the one before it is back.
+        if (parallel.pipeline_parallel_size > 1 or os.environ.get(NO_OVERLAP_ENV) == "1"
+                or vllm_config.speculative_config is not None):
             scheduler.async_scheduling = False
         if scheduler.scheduler_cls is None:
             # Both hold requests while stages re-plan; the async one also schedules ahead.

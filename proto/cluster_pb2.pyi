@@ -100,12 +100,14 @@ class CachedRequest(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., resumed: _Optional[bool] = ..., block_ids: _Optional[_Iterable[int]] = ..., group_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., num_computed_tokens: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., all_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScheduledTokens(_message.Message):
-    __slots__ = ("req_id", "num_tokens")
+    __slots__ = ("req_id", "num_tokens", "draft_token_ids")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     num_tokens: int
-    def __init__(self, req_id: _Optional[str] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, req_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst")
@@ -116,7 +118,7 @@ class BlockCopy(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("version", "step_id", "new_requests", "cached_requests", "scheduled", "finished_req_ids", "block_copies", "grammar_req_ids", "grammar_bitmask", "stage_keeps_tokens")
+    __slots__ = ("version", "step_id", "new_requests", "cached_requests", "scheduled", "finished_req_ids", "block_copies", "grammar_req_ids", "grammar_bitmask", "stage_keeps_tokens", "grammar_rows_per_request")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +129,7 @@ class StepRequest(_message.Message):
     GRAMMAR_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_BITMASK_FIELD_NUMBER: _ClassVar[int]
     STAGE_KEEPS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_ROWS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     version: int
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
@@ -137,7 +140,8 @@ class StepRequest(_message.Message):
     grammar_req_ids: _containers.RepeatedScalarFieldContainer[str]
     grammar_bitmask: bytes
     stage_keeps_tokens: bool
-    def __init__(self, version: _Optional[int] = ..., step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., grammar_req_ids: _Optional[_Iterable[str]] = ..., grammar_bitmask: _Optional[bytes] = ..., stage_keeps_tokens: _Optional[bool] = ...) -> None: ...
+    grammar_rows_per_request: int
+    def __init__(self, version: _Optional[int] = ..., step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., cached_requests: _Optional[_Iterable[_Union[CachedRequest, _Mapping]]] = ..., scheduled: _Optional[_Iterable[_Union[ScheduledTokens, _Mapping]]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., block_copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., grammar_req_ids: _Optional[_Iterable[str]] = ..., grammar_bitmask: _Optional[bytes] = ..., stage_keeps_tokens: _Optional[bool] = ..., grammar_rows_per_request: _Optional[int] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")

@@ -53,9 +53,11 @@ class StepBatch:
     token_ids: mx.array  # [total_q]
     positions: mx.array  # [total_q]
     groups: list[GroupTables]  # one per KV cache group
-    # Rows whose request reaches the end of its known tokens this step: only these get logits.
+    # Rows whose request reaches the end of its known tokens this step: only these get logits; a
+    # request with drafts gets 1 + len(drafts) of them (its last known token's row, then each draft's).
     logits_rows: mx.array
     sample_req_ids: list[str]
+    drafts: list[list[int]]  # per sample_req_ids: the drafts its rows verify ([] for most)
     # (row in token_ids, request, history index) of tokens this stage sampled that are still on
     # the device: token_ids holds PENDING there until the runner fills them in.
     pending: list[tuple[int, str, int]]
@@ -67,17 +69,19 @@ def build_batch(table: RequestTable, scheduled, block_size: int, with_state: boo
     req_ids, num_tokens, tokens, positions = [], [], [], []
     slots, tables = [[] for _ in range(table.num_groups)], [[] for _ in range(table.num_groups)]
     rows = [([], []) if with_state else None for _ in range(table.num_groups)]
-    seq_lens, logits_rows, sample_ids, pending, prompt_rows = [], [], [], [], []
+    seq_lens, logits_rows, sample_ids, pending, prompt_rows, drafts = [], [], [], [], [], []
     for sched in scheduled:
         if sched.num_tokens == 0:
             continue
         state = table[sched.req_id]
         start, n = state.num_computed_tokens, sched.num_tokens
         end = start + n
-        if end > len(state.token_ids):
+        draft = list(sched.draft_token_ids)
+        known_end = end - len(draft)
+        if known_end > len(state.token_ids) or (draft and known_end != len(state.token_ids)) or known_end <= start:
             raise StepError(
-                f"request {sched.req_id!r}: {n} tokens scheduled from position {start}, "
-                f"but only {len(state.token_ids)} tokens are known"
+                f"request {sched.req_id!r}: {n} tokens ({len(draft)} of them drafts) scheduled from position "
+                f"{start}, but {len(state.token_ids)} tokens are known"
             )
         # A sliding group's table is as long as a full one: blocks behind its window are block 0.
         for group, recurrent in zip(state.block_tables, table.recurrent):
@@ -92,10 +96,11 @@ def build_batch(table: RequestTable, scheduled, block_size: int, with_state: boo
             prompt_rows.append(_prompt_rows(state, start, end, len(tokens)))
         req_ids.append(sched.req_id)
         num_tokens.append(n)
-        scheduled = state.token_ids[start:end]
+        scheduled = state.token_ids[start:known_end]
         if PENDING in scheduled:
             pending.extend((len(tokens) + k, sched.req_id, start + k) for k, t in enumerate(scheduled) if t == PENDING)
         tokens.extend(scheduled)
+        tokens.extend(draft)
         positions.extend(range(start, end))
         for g, (group, group_slots, group_tables, group_rows) in enumerate(zip(state.block_tables, slots, tables,
                                                                               rows)):
@@ -107,9 +112,10 @@ def build_batch(table: RequestTable, scheduled, block_size: int, with_state: boo
                 continue
             group_slots.extend(group[pos // block_size] * block_size + pos % block_size for pos in range(start, end))
         seq_lens.append(end)
-        if end == len(state.token_ids):
-            logits_rows.append(len(tokens) - 1)
+        if known_end == len(state.token_ids):
+            logits_rows.extend(range(len(tokens) - 1 - len(draft), len(tokens)))
             sample_ids.append(sched.req_id)
+            drafts.append(draft)
 
     cu = [0]
     for n in num_tokens:
@@ -141,6 +147,7 @@ def build_batch(table: RequestTable, scheduled, block_size: int, with_state: boo
         groups=[group(s, t, r) for s, t, r in zip(slots, tables, rows)],
         logits_rows=mx.array(logits_rows, dtype=mx.int32),
         sample_req_ids=sample_ids,
+        drafts=drafts,
         pending=pending,
         prompt_rows=prompt_rows,
     )

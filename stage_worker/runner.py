@@ -44,7 +44,9 @@ class DeviceTokens:
 class StageOutput:
     step_id: int
     hidden: mx.array | None = None  # [total_q, hidden] for the next stage (non-last stages), evaluated
-    sampled: dict[str, Sampled] = field(default_factory=dict)  # last stage only
+    sampled: dict[str, Sampled] = field(default_factory=dict)  # last stage only: each request's last token
+    # Speculative decoding: the drafts each request accepted, which come before its `sampled` token.
+    accepted: dict[str, list[Sampled]] = field(default_factory=dict)
     on_device: DeviceTokens | None = None  # kept tokens not read back yet: `resolve` reads them
     prompt_logprobs: list = field(default_factory=list)  # pb.PromptLogprobs of this step's prompt chunks
 
@@ -96,6 +98,8 @@ class StageRunner:
         logits = self.shard.logits(hidden[batch.logits_rows])
         if any(needs_history(self.table[r].sampling) for r in batch.sample_req_ids):
             self._read_back_kept()  # penalties and bad words look at the real token history
+        if any(batch.drafts):
+            return self._verify(step, batch, logits, out)
         rows = self._sample_rows(batch.sample_req_ids, _grammar_rows(step))
         chosen = sample(logits, rows)
         if chosen.logprobs is None:
@@ -143,6 +147,23 @@ class StageRunner:
             out.append(msg)
         return out
 
+    def _verify(self, step: pb.StepRequest, batch: StepBatch, logits: mx.array, out: StageOutput) -> StageOutput:
+        """Speculative decoding: one row per scored position; a request keeps its drafts while each
+        row's token is the draft it scores, then the first row's token that is not (or the bonus)."""
+        self._read_back_kept()  # verification happens on the host, so nothing stays on the device
+        rows = self._sample_rows(batch.sample_req_ids, _grammar_rows(step), batch.drafts)
+        tokens = iter(sample(logits, rows).to_host(rows))
+        for req_id, drafts in zip(batch.sample_req_ids, batch.drafts):
+            scored = [next(tokens) for _ in range(1 + len(drafts))]
+            n = 0
+            while n < len(drafts) and scored[n].token_id == drafts[n]:
+                n += 1
+            out.accepted[req_id], out.sampled[req_id] = scored[:n], scored[n]
+            if step.stage_keeps_tokens:
+                for s in scored[: n + 1]:
+                    self._keep(self.table[req_id], s.token_id)
+        return out
+
     @staticmethod
     def _keep(state: RequestState, token: int, where=None) -> tuple[list[int], int]:
         state.token_ids.append(token)
@@ -176,17 +197,24 @@ class StageRunner:
             token_ids[mx.array(positions)] = on_device.tokens[mx.array(rows)]
         return token_ids
 
-    def _sample_rows(self, req_ids: list[str], grammar: dict[str, np.ndarray]) -> list[SampleRow]:
+    def _sample_rows(self, req_ids: list[str], grammar: dict[str, np.ndarray],
+                     drafts: list[list[int]] | None = None) -> list[SampleRow]:
+        """One row per scored position: a request with k drafts gets k + 1, row j as if its first j
+        drafts were accepted (its output so far, its grammar row, its draw)."""
         rows = []
-        for req_id in req_ids:
+        for req_id, draft in zip(req_ids, drafts or [[]] * len(req_ids)):
             state = self.table[req_id]
             num_outputs = len(state.token_ids) - state.num_prompt_tokens
-            row = SampleRow(params=state.sampling, num_outputs=num_outputs,
-                            draw=draw_key(state.sampling, num_outputs, state.rng), allowed_mask=grammar.get(req_id))
-            if needs_history(state.sampling):
-                row.prompt_ids = tuple(state.token_ids[: state.num_prompt_tokens])
-                row.output_ids = tuple(state.output_ids)
-            rows.append(row)
+            masks = grammar.get(req_id)
+            for j in range(len(draft) + 1):
+                row = SampleRow(params=state.sampling, num_outputs=num_outputs + j,
+                                draw=draw_key(state.sampling, num_outputs + j, state.rng),
+                                allowed_mask=None if masks is None else masks[j],
+                                draft=draft[j] if j < len(draft) else -1)
+                if needs_history(state.sampling):
+                    row.prompt_ids = tuple(state.token_ids[: state.num_prompt_tokens])
+                    row.output_ids = (*state.output_ids, *draft[:j])
+                rows.append(row)
         return rows
 
     def _forward(self, batch: StepBatch, hidden_in: mx.array | None) -> mx.array:
@@ -204,15 +232,18 @@ class StageRunner:
 
 
 def _grammar_rows(step: pb.StepRequest) -> dict[str, np.ndarray]:
+    """Per structured request its bitmask rows [rows per request, words]: row j masks the token
+    after j drafts (one row without speculative decoding)."""
     if not step.grammar_req_ids:
         return {}
-    mask = np.frombuffer(step.grammar_bitmask, dtype=np.int32).reshape(len(step.grammar_req_ids), -1)
+    per_request = max(step.grammar_rows_per_request, 1)
+    mask = np.frombuffer(step.grammar_bitmask, dtype=np.int32).reshape(len(step.grammar_req_ids), per_request, -1)
     return dict(zip(step.grammar_req_ids, mask))
 
 
 def to_response(out: StageOutput) -> pb.StepResponse:
     response = pb.StepResponse(step_id=out.step_id)
-    for req_id, s in out.sampled.items():
+    for req_id, s in _in_order(out):
         token = pb.SampledToken(req_id=req_id, token_id=s.token_id, logprob=s.logprob, rank=s.rank)
         if s.top_ids is not None:
             token.top.SetInParent()  # logprobs were asked for, even with no top-k alternatives
@@ -221,3 +252,11 @@ def to_response(out: StageOutput) -> pb.StepResponse:
         response.sampled.append(token)
     response.prompt_logprobs.extend(out.prompt_logprobs)
     return response
+
+
+def _in_order(out: StageOutput):
+    """(request, token) pairs as they go on the wire: a request's accepted drafts, then its last token."""
+    for req_id, s in out.sampled.items():
+        for accepted in out.accepted.get(req_id, ()):
+            yield req_id, accepted
+        yield req_id, s

@@ -28,6 +28,10 @@ class SampleRow:
     # The token history, only where `needs_history` (copying it every step costs the host time).
     prompt_ids: tuple[int, ...] = ()
     output_ids: tuple[int, ...] = ()
+    # Speculative decoding: the draft token this row verifies (-1: none). A sampled row then keeps
+    # the draft with probability p(draft), else draws from p without it (vLLM's rejection rule for
+    # drafts of probability 1), so the token still follows p; a greedy row takes the argmax as ever.
+    draft: int = -1
 
 
 @dataclass
@@ -268,8 +272,27 @@ def _choose(logits: mx.array, rows: list[SampleRow]) -> mx.array:
     x = _top_k_top_p(x, rows, random)
     keys = mx.array(np.array([[r.draw >> 32, r.draw & 0xFFFFFFFF] for r in rows], dtype=np.uint32))
     noise = mx.vmap(lambda key: mx.random.gumbel((x.shape[-1],), key=key))(keys)
+    drafts = np.array([r.draft for r in rows], dtype=np.int32)
+    verifying = random & (drafts >= 0)
+    if verifying.any():
+        x = _verify_drafts(x, rows, drafts, verifying)
     drawn = mx.argmax(x + noise, axis=-1).astype(mx.int32)  # Gumbel-max: a draw from softmax(x)
     return mx.where(mx.array(random), drawn, greedy)
+
+
+def _verify_drafts(x: mx.array, rows: list[SampleRow], drafts: np.ndarray, verifying: np.ndarray) -> mx.array:
+    """Rows that verify a draft: keep it with probability p(draft) (x becomes the draft alone), else
+    leave it out (x without it), so the Gumbel draw after this picks from the residual."""
+    index = mx.array(np.maximum(drafts, 0))[:, None]
+    p_draft = mx.take_along_axis(mx.softmax(x, axis=-1), index, axis=-1)[:, 0]
+    # The acceptance draw has its own key: the draw's key with its top bit flipped.
+    keys = mx.array(np.array([[(r.draw >> 32) ^ 0x80000000, r.draw & 0xFFFFFFFF] for r in rows], dtype=np.uint32))
+    u = mx.vmap(lambda key: mx.random.uniform(shape=(), key=key))(keys)
+    accept = (u < p_draft) & mx.array(verifying)
+    reject = ~(u < p_draft) & mx.array(verifying)
+    is_draft = mx.arange(x.shape[-1])[None, :] == index
+    x = mx.where(reject[:, None] & is_draft, -mx.inf, x)
+    return mx.where(accept[:, None] & ~is_draft, -mx.inf, x)
 
 
 def _top_k_top_p(x: mx.array, rows: list[SampleRow], random: np.ndarray) -> mx.array:

@@ -16,6 +16,18 @@ def mlx_lm_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
     return [int(token) for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens)]
 
 
+def mlx_lm_masked_greedy(model, prompt: list[int], max_tokens: int, allowed: list[int]) -> tuple[list[int], list[float]]:
+    """Greedy over `allowed` only (vLLM's allowed_token_ids), and each chosen token's raw logprob
+    (vLLM's default: the log-softmax before any processor)."""
+    tokens, logprobs = list(prompt), []
+    for _ in range(max_tokens):
+        logits = model(mx.array(tokens)[None])[0, -1].astype(mx.float32)
+        token = max(allowed, key=lambda t: logits[t].item())
+        tokens.append(token)
+        logprobs.append((logits[token] - mx.logsumexp(logits)).item())
+    return tokens[len(prompt):], logprobs
+
+
 @functools.lru_cache(maxsize=1)
 def smollm2_reference():
     """(source, mlx-lm Llama with the GGUF's weights dequantized as we do, tokenizer) of the default model."""

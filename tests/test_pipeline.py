@@ -2,13 +2,15 @@
 greedy tokens must equal mlx-lm's own generation, whatever the batch mix."""
 
 import concurrent.futures
+import json
 
 import openai
 import pytest
 from mlx_lm.utils import load
 
-from references import mlx_lm_greedy, smollm2_reference
+from references import mlx_lm_greedy, mlx_lm_masked_greedy, smollm2_reference
 from server_process import running_server
+from test_speculative import FEW, NGRAM, accepted_drafts
 
 PROMPTS = [
     "Hello world, this is a test",
@@ -25,22 +27,52 @@ ARGS = ["--gpu-memory-utilization", "0.05", "--max-model-len", "512", "--max-num
         "--max-num-seqs", "16", "--served-model-name", "m"]
 
 
-def greedy(client, ids, n):
+def greedy(client, ids, n, **extra):
     r = client.completions.create(model="m", prompt=ids, max_tokens=n, temperature=0,
-                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+                                  extra_body={"ignore_eos": True, "return_token_ids": True, **extra})
     return r.choices[0].token_ids
+
+
+def _check_stop_string_and_grammar(client, ids):
+    """A stop string inside a run of accepted drafts ends the text right before it; a JSON schema
+    holds on every scored position."""
+    def complete(**kw):
+        return client.completions.create(model="m", prompt=ids, max_tokens=24, temperature=0, **kw,
+                                         extra_body={"ignore_eos": True, "allowed_token_ids": FEW}).choices[0]
+    free = complete().text
+    stop = free[len(free) // 2:len(free) // 2 + 2]
+    stopped = complete(stop=[stop])
+    assert stopped.finish_reason == "stop" and stopped.text == free[:free.index(stop)]
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"],
+              "additionalProperties": False}
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": '{"n": 11111111}'}],
+                                       max_tokens=40, temperature=0,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": schema}})
+    text = r.choices[0].message.content
+    assert text.lstrip().startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text)["n"], int)
 
 
 @pytest.mark.parametrize("stages", [2, 3])
 def test_stages_match_mlx_lm(tiny_model, stages, tmp_path):
+    """With n-gram speculation on: the steps of requests without drafts are the plain path; the
+    few-token prompts draft, and their output must still be greedy's, token for token."""
     ref_model, tokenizer = load(str(tiny_model))
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     expected = [mlx_lm_greedy(ref_model, ids, 10) for ids in prompts]
-    with running_server(tiny_model, *ARGS, "-pp", str(stages), log_path=tmp_path / "server.log") as url:
+    few = [mlx_lm_masked_greedy(ref_model, ids, 16, FEW)[0] for ids in prompts[:3]]
+    with running_server(tiny_model, *ARGS, "-pp", str(stages), "--speculative-config", NGRAM,
+                        log_path=tmp_path / "server.log") as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            drafting = [pool.submit(greedy, client, ids, 16, allowed_token_ids=FEW) for ids in prompts[:3]]
             got = list(pool.map(lambda ids: greedy(client, ids, 10), prompts))
+            assert [d.result() for d in drafting] == few
         assert got == expected
+        assert accepted_drafts(url) > 0
+        if tiny_model.name.startswith("llama"):  # one family is enough for what the grammar and stop strings add
+            _check_stop_string_and_grammar(client, prompts[0])
         # A prefix-cache hit: the long prompt again, now with more after it.
         longer = prompts[4] + prompts[1]
         assert greedy(client, longer, 8) == mlx_lm_greedy(ref_model, longer, 8)
@@ -54,16 +86,17 @@ def test_stages_match_mlx_lm(tiny_model, stages, tmp_path):
 
 def _check_sampling_across_stages(client, ref_model, ids):
     """The last stage samples with the request's parameters and scores its prompt chunk by chunk
-    (--max-num-batched-tokens 32): prompt logprobs equal mlx-lm's log-softmax, a logit bias forces
-    its token."""
+    (--max-num-batched-tokens 32): prompt logprobs equal mlx-lm's log-softmax, allowed_token_ids force
+    their token (vLLM refuses logit_bias with speculative decoding)."""
     import mlx.core as mx
     import numpy as np
 
     assert len(ids) > 32
     logits = ref_model(mx.array(ids)[None])[0].astype(mx.float32)
     expected = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
-    r = client.completions.create(model="m", prompt=ids, max_tokens=4, temperature=0, logit_bias={"9": 100},
-                                  extra_body={"prompt_logprobs": 1, "ignore_eos": True, "return_token_ids": True})
+    r = client.completions.create(model="m", prompt=ids, max_tokens=4, temperature=0,
+                                  extra_body={"prompt_logprobs": 1, "ignore_eos": True, "return_token_ids": True,
+                                              "allowed_token_ids": [9]})
     assert r.choices[0].token_ids == [9] * 4
     got = r.choices[0].model_extra["prompt_logprobs"]
     assert len(got) == len(ids) and got[0] is None

@@ -2,17 +2,21 @@
 
 import concurrent.futures
 import json
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import openai
 import pytest
 from mlx_lm.utils import load
 
-from references import mlx_lm_greedy, smollm2_reference
+from references import mlx_lm_greedy, mlx_lm_masked_greedy, smollm2_reference
 from server_process import running_server
+from test_speculative import FEW as FEW_TOKENS, NGRAM, accepted_drafts
 
 MAX_MODEL_LEN = 512
 COMMON = ["--gpu-memory-utilization", "0.05", "--max-model-len", str(MAX_MODEL_LEN),
@@ -559,3 +563,70 @@ def test_fuzzed_api_gives_no_server_error_and_leaks_nothing(client, tiny_server,
     _wait_kv_free(tiny_server)
     answer = client.completions.create(model="tiny", prompt="after the fuzzing", max_tokens=4, temperature=0)
     assert answer.usage.completion_tokens == 4
+
+
+# --- speculative decoding (method ngram) beside the plain server above ------------------------------
+@pytest.fixture(scope="module")
+def ngram(llama_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("ngram") / "server.log"
+    with running_server(llama_model, *COMMON, "--served-model-name", "tiny", "--speculative-config", NGRAM,
+                        log_path=log) as url:
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0), url
+
+
+def _greedy(client, prompt, n, **extra):
+    kw = {k: extra.pop(k) for k in ("stop", "logprobs") if k in extra}
+    return client.completions.create(model="tiny", prompt=prompt, max_tokens=n, temperature=0, **kw,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True, **extra}).choices[0]
+
+
+def test_greedy_with_ngram_is_greedy_without(ngram, llama_model):
+    spec, url = ngram
+    ref, tokenizer = load(str(llama_model))
+    prompts = [tokenizer.encode(p) for p in ("Hello world, this is a test", "The quick brown fox jumps over",
+                                             "A B A B A B A B", "Tea or coffee?")]
+    before = accepted_drafts(url)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:  # drafting requests batched with others
+        plain = [pool.submit(_greedy, spec, ids, 24) for ids in prompts]
+        few = [pool.submit(_greedy, spec, ids, 24, allowed_token_ids=FEW_TOKENS, logprobs=1) for ids in prompts]
+        for ids, got in zip(prompts, plain):
+            assert got.result().token_ids == mlx_lm_greedy(ref, ids, 24)
+        for ids, got in zip(prompts, few):
+            expected, logprobs = mlx_lm_masked_greedy(ref, ids, 24, FEW_TOKENS)
+            assert got.result().token_ids == expected
+            # Logprobs of accepted drafts too: vLLM's raw logprobs (before allowed_token_ids).
+            assert np.allclose(got.result().logprobs.token_logprobs, logprobs, atol=1e-4)
+    assert accepted_drafts(url) - before >= 20  # the drafts were used, not only made
+    status = subprocess.run([sys.executable, "-m", "metal_cluster.coordinator", "status", "--json", "--url", url],
+                            capture_output=True, text=True, timeout=60)
+    seen = json.loads(status.stdout)["speculative"]
+    assert seen["accepted_tokens"] >= 20 and 0 < seen["acceptance_rate"] <= 1 and seen["mean_accepted_length"] > 1
+
+
+def test_ngram_json_schema_and_stop_string_mid_draft_match_plain(client, ngram, llama_model):
+    plain, (spec, url) = client, ngram
+    before = accepted_drafts(url)
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red red red red", "blue"]},
+                                               "count": {"type": "integer"}},
+              "required": ["colour", "count"], "additionalProperties": False}
+    messages = [{"role": "user", "content": 'Answer {"colour": "red red red red", "count": 4} again.'}]
+    answers = [c.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=60, temperature=0, logprobs=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}).choices[0]
+        for c in (plain, spec)]
+    assert answers[1].message.content == answers[0].message.content
+    assert answers[1].finish_reason == answers[0].finish_reason
+    # The grammar held on every scored position (a random model may pad with whitespace until max_tokens).
+    assert answers[1].message.content.lstrip().startswith("{")
+    if answers[1].finish_reason == "stop":
+        assert json.loads(answers[1].message.content)["colour"] in ("red red red red", "blue")
+    assert [t.token for t in answers[1].logprobs.content] == [t.token for t in answers[0].logprobs.content]
+    # A stop string inside a run of accepted drafts: the text ends right before it, as without drafts.
+    _, tokenizer = load(str(llama_model))
+    prompt = tokenizer.encode("Counting sheep")
+    free = _greedy(plain, prompt, 32, allowed_token_ids=FEW_TOKENS)
+    stop = tokenizer.decode(free.token_ids[18:20])
+    got = [_greedy(c, prompt, 32, allowed_token_ids=FEW_TOKENS, stop=[stop]) for c in (plain, spec)]
+    assert got[1].text == got[0].text and got[1].finish_reason == got[0].finish_reason == "stop"
+    assert len(got[1].text) < len(free.text)
+    assert accepted_drafts(url) > before

@@ -1,0 +1,141 @@
+"""n-gram speculative decoding vs none, side by side in one run: output tokens/s on a workload whose
+answers repeat the prompt (edit / proofread a given text), the embedded SmolLM2 over 1 and 3 stages.
+
+  .venv/bin/python bench/speculative.py [--stages 1,3] [--concurrency 1,8] [--max-tokens 96] [--workload repeat|free]
+
+For each stage count a plain server and an ngram one (`--speculative-config`) run side by side,
+and the measurements alternate between them (plain c=1, ngram c=1, plain c=8, ...; `--repeats`
+times; medians), so a change in the machine's load hits both alike. Every request is greedy and
+streams; the answers must be the same on both sides (checked).
+"""
+
+import argparse
+import concurrent.futures as cf
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+
+from server_process import running_server  # noqa: E402
+
+MODEL = "SmolLM2-135M-Instruct"
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+TEXTS = [
+    "The meeting is moved from Tuesday to Thursday at ten o'clock in the small room on the second floor. "
+    "Please bring the budget figures for the third quarter and the draft of the new travel policy.",
+    "Our cluster turns several Macs on one network into a single server: each one runs a range of the "
+    "model's layers and keeps its own cache, and the hidden states travel from one machine to the next.",
+    "To reset the router, hold the small button on the back for ten seconds until the light blinks "
+    "orange, then wait two minutes and connect again with the password printed on the label.",
+    "The library opens at nine on weekdays and at eleven on Sundays. Books can be returned at the desk "
+    "or in the box by the door, and late returns cost twenty cents a day.",
+]
+
+
+FREE = ["Write a short story about a lighthouse keeper.", "Explain how bread rises, for a child.",
+        "Invent a recipe with apples and cheese.", "Describe a walk through a forest in autumn."]
+WORKLOAD = "repeat"
+
+
+def messages(i: int) -> list[dict]:
+    if WORKLOAD == "free":  # answers that do not repeat the prompt: drafts are seldom right
+        return [{"role": "user", "content": FREE[i % len(FREE)]}]
+    text = TEXTS[i % len(TEXTS)]
+    return [{"role": "user", "content": f"Repeat this text exactly, word for word, then stop:\n\n{text}"}]
+
+
+def one(client, i: int, max_tokens: int) -> tuple[list[int], float]:
+    """(token ids, seconds from the first output token to the last)."""
+    stream = client.chat.completions.create(model=MODEL, messages=messages(i), max_tokens=max_tokens,
+                                            temperature=0, stream=True, extra_body={"return_token_ids": True})
+    tokens, first = [], None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].model_extra.get("token_ids"):
+            first = first or time.perf_counter()
+            tokens += chunk.choices[0].model_extra["token_ids"]
+    return tokens, time.perf_counter() - first
+
+
+def workload(client, concurrency: int, max_tokens: int) -> tuple[float, list[list[int]]]:
+    """Output tokens/s over all streams (wall clock), and the answers in request order."""
+    n = max(2, concurrency)
+    start = time.perf_counter()
+    with cf.ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda i: one(client, i, max_tokens), range(n)))
+    wall = time.perf_counter() - start
+    return sum(len(t) for t, _ in results) / wall, [t for t, _ in results]
+
+
+def acceptance(url: str) -> tuple[float, float]:
+    """(accepted / drafted tokens, mean tokens per draft step incl. the bonus) from /metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            if line.startswith(f"vllm:spec_decode_{name}_total"):
+                values[name] = values.get(name, 0) + float(line.split()[-1])
+    drafted, accepted, drafts = (values.get(k, 0) for k in ("num_draft_tokens", "num_accepted_tokens", "num_drafts"))
+    return (accepted / drafted if drafted else 0.0), (1 + accepted / drafts if drafts else 1.0)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stages", default="1,3")
+    parser.add_argument("--concurrency", default="1,8")
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--workload", choices=("repeat", "free"), default="repeat")
+    args = parser.parse_args()
+    global WORKLOAD
+    WORKLOAD = args.workload
+    levels = [int(c) for c in args.concurrency.split(",")]
+    print(f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
+    rows = []
+    with tempfile.TemporaryDirectory() as work:
+        for stages in (int(s) for s in args.stages.split(",")):
+            with contextlib.ExitStack() as servers:
+                clients, urls = {}, {}
+                for mode in ("plain", "ngram"):
+                    extra = ["--max-model-len", "2048", "--max-num-batched-tokens", "512", "--max-num-seqs", "16"]
+                    extra += ["-pp", str(stages)] if stages > 1 else []
+                    extra += ["--speculative-config", json.dumps(NGRAM)] if mode == "ngram" else []
+                    urls[mode] = servers.enter_context(
+                        running_server(None, *extra, log_path=Path(work) / f"{mode}-{stages}.log", timeout=900))
+                    clients[mode] = openai.OpenAI(base_url=f"{urls[mode]}/v1", api_key="unused", timeout=600,
+                                                  max_retries=0)
+                    one(clients[mode], 0, 8)  # warm
+                results = {}
+                for _ in range(args.repeats):
+                    for c in levels:
+                        for mode in ("plain", "ngram"):
+                            rate, answers = workload(clients[mode], c, args.max_tokens)
+                            results.setdefault((mode, c), []).append(rate)
+                            results[mode, c, "answers"] = answers
+                            print(f"{stages} stage(s) {mode} c={c}: {rate:.1f} tok/s (load {os.getloadavg()[0]:.1f})",
+                                  flush=True)
+                rate, mean = acceptance(urls["ngram"])
+            for c in levels:
+                plain, spec = (statistics.median(results[m, c]) for m in ("plain", "ngram"))
+                a, b = results["plain", c, "answers"], results["ngram", c, "answers"]
+                same = "yes" if a == b else f"no ({sum(x != y for x, y in zip(a, b))} of {len(a)} differ)"
+                rows.append(f"| {stages} | {c} | {plain:.1f} | {spec:.1f} | {spec / plain:.2f}x | {rate:.0%} | {mean:.2f} | {same} |")
+    print("\n| stages | concurrency | plain tok/s | ngram tok/s | ratio | draft acceptance | tokens per draft step | same tokens |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---|")
+    print("\n".join(rows))
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

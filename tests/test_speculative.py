@@ -1,0 +1,105 @@
+"""Speculative decoding (`--speculative-config`, method ngram): the n-gram rule, sampling keeps its
+distribution, a config that cannot be served stops the server at start with one line. Greedy with
+ngram equals greedy without through a server: single node in test_serve.py (beside its plain
+server), 2 and 3 stages in test_pipeline.py."""
+
+import json
+import subprocess
+import sys
+import urllib.request
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import tiny_models
+from server_process import free_port
+
+from metal_cluster.coordinator import speculation
+from metal_cluster.coordinator.ngram import propose
+from metal_cluster.proto import pb
+from metal_cluster.stage_worker.sampler import SampleRow, sample
+
+NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+# A random tiny model rarely repeats itself; limited to a few tokens it does, so drafts are accepted.
+FEW = [5, 6, 7, 8]
+
+
+def test_ngram_proposals_follow_the_longest_earliest_match():
+    t = np.array
+    assert propose(t([1, 2, 3, 9, 1, 2, 3]), 1, 3, 2) == [9, 1]  # "1 2 3" seen before: what followed it
+    assert propose(t([4, 1, 2, 5, 1, 2, 6, 2]), 1, 3, 3) == [5, 1, 2]  # only "2" matches: its first occurrence
+    assert propose(t([4, 1, 2, 5, 7, 2]), 2, 3, 3) == []  # nothing as long as prompt_lookup_min
+    assert propose(t([1, 2, 1, 2]), 1, 2, 5) == [1, 2]  # no more tokens follow the match than there are
+    assert propose(t([3]), 1, 3, 4) == []
+
+
+def accepted_drafts(url) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("vllm:spec_decode_num_accepted_tokens_total"))
+
+
+def _chi_square(tokens: np.ndarray, p: np.ndarray) -> float:
+    expected = p * len(tokens)
+    observed = np.bincount(tokens, minlength=len(p))
+    if observed[expected == 0].sum():
+        return float("inf")  # a token the distribution excludes
+    keep = expected > 0
+    return float((((observed - expected) ** 2)[keep] / expected[keep]).sum())
+
+
+@pytest.mark.parametrize("draft", [2, 0, 6])  # a likely token, an unlikely one, one top_k removes
+def test_verifying_a_draft_keeps_the_sampled_distribution(draft):
+    """vLLM's rejection rule for drafts of probability 1 (n-grams): the token a row emits (the
+    draft if kept, else a draw without it) follows the row's distribution, whatever the draft.
+    20000 draws, chi-square against the exact distribution at p = 1e-4 (df 4: 23.5)."""
+    logits = mx.array([[1.0, 0.2, 1.5, -0.5, 0.9, 0.4, -1.0, 0.0]])
+    params = pb.SamplingParams(temperature=0.8, top_k=5, top_p=1.0)
+    n = 20000
+    rows = [SampleRow(params=params, num_outputs=0, draw=(i * 0x9E3779B97F4A7C15 + 12345) & (2**64 - 1), draft=draft)
+            for i in range(n)]
+    tokens = np.array(sample(mx.repeat(logits, n, axis=0), rows).tokens)
+    scaled = np.array(logits[0]) / 0.8
+    top = np.argsort(scaled)[-5:]
+    p = np.zeros(8)
+    p[top] = np.exp(scaled[top] - scaled[top].max())
+    p /= p.sum()
+    assert _chi_square(tokens, p) < 23.5
+    kept = (tokens == draft).mean()
+    assert abs(kept - p[draft]) < 0.02  # the draft is kept as often as the model would pick it
+    # The same draws without verification (a draft always kept) are far off: the test can fail.
+    assert _chi_square(np.full(n, draft), p) > 1000
+
+
+def _serve_error(model, config: str) -> str:
+    result = subprocess.run([sys.executable, "-m", "metal_cluster.coordinator", "serve", str(model), "--port",
+                             str(free_port()), "--speculative-config", config],
+                            capture_output=True, text=True, timeout=120, start_new_session=True)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "Traceback" not in output, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("metal-cluster: error:")]
+    assert len(errors) == 1 and output.strip().splitlines()[-1] == errors[0], output[-3000:]
+    return errors[0]
+
+
+def test_a_bad_speculative_config_stops_the_server_at_start(llama_model, tmp_path):
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    config = json.loads((llama_model / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] + 7}))
+    line = _serve_error(llama_model, json.dumps({"method": "draft_model", "model": str(draft),
+                                                 "num_speculative_tokens": 2}))
+    assert f"vocabulary of {config['vocab_size'] + 7} tokens" in line and str(config["vocab_size"]) in line
+    # The rest without a process each: the same check, before vLLM starts.
+    def problem(config):
+        return speculation.problem(["--max-model-len", "64", "--speculative-config", config], llama_model)
+    assert "method 'medusa' is not served" in problem('{"method": "medusa", "num_speculative_tokens": 2}')
+    assert "num_speculative_tokens" in problem('{"method": "ngram"}')
+    assert "not JSON" in problem("{method: ngram}")
+    assert problem(NGRAM) is None
+    assert speculation.problem(["--speculative-config=" + NGRAM], llama_model) is None
+    hybrid = tiny_models.build_tiny_model("qwen3_next", tmp_path / "hybrid")
+    assert "recurrent layers" in speculation.problem(["--speculative-config", NGRAM], hybrid)

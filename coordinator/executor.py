@@ -26,6 +26,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from metal_cluster.coordinator import load_progress, replan, start_times
 from metal_cluster.coordinator.cluster_control import CONTROL_KEY, ClusterControl
 from metal_cluster.coordinator.cluster_scheduler import loss_output
+from metal_cluster.coordinator.lora_registry import LoRARegistry
 from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV
 from metal_cluster.coordinator.executor_env import (
     DEFAULT_RESUME_TIMEOUT_S, DEFAULT_STAGE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, LAYERS_ENV, LOCAL_STAGES_ENV,
@@ -141,6 +142,9 @@ class ClusterExecutor(Executor):
             self.vllm_config.additional_config[CONTROL_KEY] = self.control
         self.monitor = None
         self.closed = threading.Event()
+        lora = self.vllm_config.lora_config
+        self.loras = (LoRARegistry(self.model_config.model, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras)
+                      if lora is not None else None)
 
     @cached_property
     def _model_json(self) -> dict:
@@ -280,6 +284,8 @@ class ClusterExecutor(Executor):
                 self.translator.forget(so.finished_req_ids)
                 out.set_result(loss_output(so, self._failure(), self.control.outage_id))
                 return out
+            if self.loras is not None:
+                self.loras.admit(so, self.pipeline, self.ranges)
             step = self.translator.to_step(so, grammar_output)
             pipeline, generation = self.pipeline, self.control.generation
             self.inflight[out] = so
@@ -424,6 +430,8 @@ class ClusterExecutor(Executor):
             self.addresses = [s.name for s in plan.pipeline.stages]
             # The new stages know no request yet; the ones held through the outage go to them as new.
             self.translator = self.translator.next_plan(len(plan.pipeline) == 1)
+            if self.loras is not None:
+                self.loras.resend(plan.pipeline, plan.ranges)
         probe, restart, load = (b - a for a, b in zip(clock, clock[1:]))
         stages = ", ".join(f"{s.name} [{a}, {b})" for s, (a, b) in zip(plan.pipeline.stages, plan.ranges))
         message = (f"re-planned in {clock[-1] - clock[0]:.1f}s: {len(plan.ranges)} stage(s) {stages}; "
@@ -443,6 +451,23 @@ class ClusterExecutor(Executor):
             num_blocks=self.num_blocks, ring_timeout_s=RING_TIMEOUT_S, kv_groups=self.kv_groups,
             caches=self._layer_caches(),
         )
+
+    # --- LoRA: vLLM's own versions call collective_rpc, which resolves names on this class ----------
+    def add_lora(self, lora_request) -> bool:
+        if self.loras is None:
+            raise ValueError("LoRA is not enabled: start the server with --enable-lora")
+        with self.lock:
+            return self.loras.add(lora_request, self.pipeline, self.ranges)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        with self.lock:
+            return self.loras is not None and self.loras.remove(lora_id, self.pipeline)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self.loras is not None and self.loras.pin(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.loras.ids() if self.loras is not None else set()
 
     # --- the rest of vLLM's executor surface ------------------------------------------------------
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False):

@@ -51,6 +51,7 @@ class Admitted:
 
     num_prompt_tokens: int
     sampling: pb.SamplingParams
+    lora_id: int = 0
 
 
 class StepTranslator:
@@ -84,7 +85,8 @@ class StepTranslator:
             if new.sampling_params.prompt_logprobs is not None:
                 self.prompt_logprobs.expect(new.req_id, len(new.prompt_token_ids))
             sampling = sampling_to_proto(new.sampling_params)
-            self.admitted[new.req_id] = Admitted(len(new.prompt_token_ids), sampling)
+            lora_id = new.lora_request.lora_int_id if new.lora_request is not None else 0
+            self.admitted[new.req_id] = Admitted(len(new.prompt_token_ids), sampling, lora_id)
             self.on_stages.add(new.req_id)
             step.new_requests.append(pb.NewRequest(
                 req_id=new.req_id,
@@ -96,6 +98,7 @@ class StepTranslator:
                 group_block_ids=[pb.BlockIds(ids=ids) for ids in new.block_ids[1:]],
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=sampling,
+                lora_id=lora_id,
             ))
         for cached in self._cached(so.scheduled_cached_reqs):
             if isinstance(cached, pb.NewRequest):
@@ -147,6 +150,7 @@ class StepTranslator:
             group_block_ids=[pb.BlockIds(ids=ids) for ids in blocks[1:]],
             num_computed_tokens=cached.num_computed_tokens[i],
             sampling=seen.sampling,
+            lora_id=seen.lora_id,
         )
 
     def record(self, response: pb.StepResponse) -> None:

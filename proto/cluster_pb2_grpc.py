@@ -180,6 +180,16 @@ class StageStub:
                 request_serializer=cluster__pb2.ResetRequest.SerializeToString,
                 response_deserializer=cluster__pb2.ResetResponse.FromString,
                 _registered_method=True)
+        self.LoRAAdd = channel.unary_unary(
+                '/metal_cluster.v1.Stage/LoRAAdd',
+                request_serializer=cluster__pb2.LoRAAddRequest.SerializeToString,
+                response_deserializer=cluster__pb2.LoRAAddResponse.FromString,
+                _registered_method=True)
+        self.LoRARemove = channel.unary_unary(
+                '/metal_cluster.v1.Stage/LoRARemove',
+                request_serializer=cluster__pb2.LoRARemoveRequest.SerializeToString,
+                response_deserializer=cluster__pb2.LoRARemoveResponse.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -221,6 +231,18 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoRAAdd(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoRARemove(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -253,6 +275,16 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Reset,
                     request_deserializer=cluster__pb2.ResetRequest.FromString,
                     response_serializer=cluster__pb2.ResetResponse.SerializeToString,
+            ),
+            'LoRAAdd': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoRAAdd,
+                    request_deserializer=cluster__pb2.LoRAAddRequest.FromString,
+                    response_serializer=cluster__pb2.LoRAAddResponse.SerializeToString,
+            ),
+            'LoRARemove': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoRARemove,
+                    request_deserializer=cluster__pb2.LoRARemoveRequest.FromString,
+                    response_serializer=cluster__pb2.LoRARemoveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -417,6 +449,60 @@ class Stage:
             '/metal_cluster.v1.Stage/Reset',
             cluster__pb2.ResetRequest.SerializeToString,
             cluster__pb2.ResetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoRAAdd(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/metal_cluster.v1.Stage/LoRAAdd',
+            cluster__pb2.LoRAAddRequest.SerializeToString,
+            cluster__pb2.LoRAAddResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoRARemove(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/metal_cluster.v1.Stage/LoRARemove',
+            cluster__pb2.LoRARemoveRequest.SerializeToString,
+            cluster__pb2.LoRARemoveResponse.FromString,
             options,
             channel_credentials,
             insecure,

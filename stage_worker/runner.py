@@ -14,6 +14,7 @@ import numpy as np
 from metal_cluster.proto import pb
 from metal_cluster.stage_worker.attention import LayerContext
 from metal_cluster.stage_worker.batch import StepBatch, build_batch
+from metal_cluster.stage_worker.lora import LoRABank
 from metal_cluster.stage_worker.paged_kv import KVPool
 from metal_cluster.stage_worker.request_table import PENDING, RequestTable, RequestState, StepError
 from metal_cluster.stage_worker.sampler import (Sampled, SampleRow, draw_key, gather_logprobs, log_softmax,
@@ -60,6 +61,7 @@ class StageRunner:
         self.shard = shard
         self.pool = pool
         self.table = RequestTable(pool.num_blocks, pool.layout.windows, pool.block_size)
+        self.lora = LoRABank(shard.layers, shard.start, shard.dtype)
 
     def step(self, step: pb.StepRequest, hidden_in: mx.array | None = None) -> StageOutput:
         """prepare + run, waited for."""
@@ -71,7 +73,17 @@ class StageRunner:
             raise StepError("only a stage that runs the whole model can keep its sampled tokens")
         self.table.apply(step)
         self.pool.copy_blocks([(c.src, c.dst) for c in step.block_copies])
-        return build_batch(self.table, step.scheduled, self.pool.block_size)
+        batch = build_batch(self.table, step.scheduled, self.pool.block_size)
+        batch.lora_slots = self._lora_slots(batch)
+        return batch
+
+    def _lora_slots(self, batch: StepBatch) -> mx.array | None:
+        lora_ids = [self.table[r].lora_id for r in batch.req_ids]
+        if not any(lora_ids):
+            return None
+        slots = self.lora.slots_for(set(lora_ids))
+        per_request = [slots.get(i, 0) for i in lora_ids]
+        return mx.array(np.repeat(np.array(per_request, dtype=np.uint32), batch.num_tokens))
 
     def run(self, step: pb.StepRequest, batch: StepBatch, hidden_in: mx.array | None = None) -> StageOutput:
         """Run the step's work. A stage that keeps its tokens only queues it: `StageOutput.resolve`
@@ -198,8 +210,12 @@ class StageRunner:
                 raise StepError(f"step {batch.req_ids[:1]}: expected hidden states for {batch.token_ids.shape[0]} tokens, got {got}")
             h = hidden_in
         h = h[None]
-        for i, layer in enumerate(self.shard.layers):
-            h = layer(h, None, LayerContext(batch, self.pool, i))
+        self.lora.activate(batch.lora_slots)  # read by the adapted modules while the graph is built
+        try:
+            for i, layer in enumerate(self.shard.layers):
+                h = layer(h, None, LayerContext(batch, self.pool, i))
+        finally:
+            self.lora.activate(None)
         return h[0]
 
 

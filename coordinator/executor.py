@@ -262,6 +262,8 @@ class ClusterExecutor(Executor):
         if so.total_num_scheduled_tokens == 0:
             # Nothing to run, but the stages must still forget finished requests.
             with self.lock:
+                if self.loras is not None:
+                    self.loras.finish(so.finished_req_ids)
                 if self.control.state != "serving":
                     self.translator.forget(so.finished_req_ids)
                     return EMPTY_MODEL_RUNNER_OUTPUT  # the next plan's stages never knew them

@@ -51,8 +51,7 @@ class LoRARegistry:
 
     def admit(self, so, pipeline, ranges) -> None:
         """Before a step goes out: its new requests' adapters on the stages, and who uses which."""
-        for req_id in so.finished_req_ids:
-            self.users.pop(req_id, None)
+        self.finish(so.finished_req_ids)
         for new in so.scheduled_new_reqs:
             lora = new.lora_request
             if lora is None:
@@ -62,6 +61,10 @@ class LoRARegistry:
                 self.adapters.move_to_end(lora.lora_int_id)
             else:
                 self.add(lora, pipeline, ranges)
+
+    def finish(self, req_ids) -> None:
+        for req_id in req_ids:
+            self.users.pop(req_id, None)
 
     def resend(self, pipeline, ranges) -> None:
         """A new plan's stages know no adapter: give them all again."""

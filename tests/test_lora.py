@@ -4,7 +4,7 @@
 import pytest
 from mlx_lm.utils import load
 
-from lora_fixtures import build_adapters, fused_model, write_peft, random_pairs, ATTENTION
+from lora_fixtures import ATTENTION, fused_model, random_pairs, write_peft
 from metal_cluster.coordinator.lora_adapters import LoRAAdapterError, read_adapter
 from metal_cluster.stage_worker.model_source import resolve_model
 from metal_cluster.stage_worker.paged_kv import KVPool
@@ -18,8 +18,8 @@ PROMPTS = ["Hello world, this is a test", "The quick brown fox jumps over the la
 
 
 @pytest.fixture(scope="module")
-def adapters(llama_model, tmp_path_factory):
-    return build_adapters(llama_model, tmp_path_factory.mktemp("adapters"))
+def adapters(llama_adapters):
+    return llama_adapters
 
 
 @pytest.fixture(scope="module")
@@ -115,3 +115,19 @@ def test_bad_adapters_are_named(llama_model, adapters, tmp_path):
     write_peft(tmp_path / "odd", pairs, 4, 8.0, ATTENTION)
     with pytest.raises(LoRAAdapterError, match="targets self_attn.w_proj of layer 0, which the model does not have"):
         read_adapter(tmp_path / "odd", "odd", llama_model, max_rank=8)
+
+
+def test_a_bad_lora_module_at_start_is_one_line(llama_model, tmp_path, capsys, monkeypatch):
+    from types import SimpleNamespace
+
+    from metal_cluster.coordinator import serve
+    from metal_cluster.coordinator.http_routes import LORA_CHECK_ENV
+
+    monkeypatch.setenv(LORA_CHECK_ENV, "")  # restored after: the check sets it for the API server
+    args = SimpleNamespace(model=str(llama_model), max_lora_rank=8,
+                           lora_modules=[SimpleNamespace(name="gone", path=str(tmp_path / "gone"))])
+    with pytest.raises(SystemExit) as exit_:
+        serve._check_lora_modules(args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1
+    assert err.startswith("metal-cluster: error: --lora-modules: LoRA adapter 'gone'") and "no such folder" in err

@@ -42,7 +42,7 @@ class StepBatch:
     # the device: token_ids holds PENDING there until the runner fills them in.
     pending: list[tuple[int, str, int]]
     prompt_rows: list[PromptRows]
-    lora_slots: mx.array | None = None  # [total_q] each token's LoRA slot (None: no adapter this step)
+    lora_slots: "np.ndarray | None" = None  # [total_q] each token's LoRA slot (None: no adapter this step)
 
 
 def build_batch(table: RequestTable, scheduled, block_size: int) -> StepBatch:

@@ -77,13 +77,13 @@ class StageRunner:
         batch.lora_slots = self._lora_slots(batch)
         return batch
 
-    def _lora_slots(self, batch: StepBatch) -> mx.array | None:
+    def _lora_slots(self, batch: StepBatch) -> np.ndarray | None:
         lora_ids = [self.table[r].lora_id for r in batch.req_ids]
         if not any(lora_ids):
             return None
         slots = self.lora.slots_for(set(lora_ids))
         per_request = [slots.get(i, 0) for i in lora_ids]
-        return mx.array(np.repeat(np.array(per_request, dtype=np.uint32), batch.num_tokens))
+        return np.repeat(np.array(per_request, dtype=np.int64), batch.num_tokens)
 
     def run(self, step: pb.StepRequest, batch: StepBatch, hidden_in: mx.array | None = None) -> StageOutput:
         """Run the step's work. A stage that keeps its tokens only queues it: `StageOutput.resolve`

@@ -45,10 +45,15 @@ def _runners(llama_model, ranges):
     return runners
 
 
+@pytest.mark.parametrize("form", ["dense", "gathered"])
 @pytest.mark.parametrize("ranges", [[(0, 4)], [(0, 2), (2, 4)]], ids=["one-stage", "two-stages"])
-def test_mixed_batch_equals_fused_mlx_lm(llama_model, adapters, expected, ranges):
+def test_mixed_batch_equals_fused_mlx_lm(llama_model, adapters, expected, ranges, form, monkeypatch):
     """Base, 'alpha' and 'beta' requests in the same steps, with two slots for the two adapters and
-    then one slot (every step swaps the adapters in and out by LRU)."""
+    then one slot (every step swaps the adapters in and out by LRU); both forms of the delta."""
+    from metal_cluster.stage_worker import lora
+
+    if form == "gathered":
+        monkeypatch.setattr(lora, "DENSE_WIDTH", 0)
     prompts, want = expected
     for max_loras in (2, 1):
         runners = _runners(llama_model, ranges)
@@ -70,17 +75,18 @@ def test_mixed_batch_equals_fused_mlx_lm(llama_model, adapters, expected, ranges
         sched = SchedulerDouble(step_fn, NUM_BLOCKS, BLOCK_SIZE, chunk_size=5)
         lora_choices = (0, 1, 2) if max_loras == 2 else (0, 1)  # one slot: one adapter per step at most
         for i, ids in enumerate(prompts):
-            for lora in lora_choices:
-                loras[f"r{i}-{lora}"] = lora
-                sched.add(f"r{i}-{lora}", ids, 10)
+            for choice in lora_choices:
+                loras[f"r{i}-{choice}"] = choice
+                sched.add(f"r{i}-{choice}", ids, 10)
         if max_loras == 1:
             got = sched.run()
         else:
             first, _ = sched.step()
             assert {n.lora_id for n in first.new_requests} == {0, 1, 2}  # all three in one batch
             got = sched.run()
-        for req_id, lora in loras.items():
-            assert got[req_id] == want[lora][int(req_id[1])], req_id
+        for req_id, lora_id in loras.items():
+            assert got[req_id] == want[lora_id][int(req_id[1])], req_id
+        assert all(r.lora.state.dense == (form == "dense") for r in runners)
 
 
 def test_lru_swaps_one_slot_between_adapters(llama_model, adapters, expected):

@@ -130,7 +130,7 @@ class ClusterExecutor(Executor):
         for (a, b), r, stage in zip(self.ranges, self.assigned, self.pipeline.stages):
             log.info("stage %s: layers [%d, %d), %.2f GiB weights, %.2f GiB activations, KV budget %.2f GiB",
                      stage.name, a, b, r.weights_bytes / 2**30, r.activation_bytes / 2**30, r.kv_budget_bytes / 2**30)
-        self.translator = StepTranslator(stage_keeps_tokens=len(self.pipeline) == 1)
+        self.translator = StepTranslator(stage_keeps_tokens=len(self.pipeline) == 1, pooling=self._pooling_type())
         self.lock = threading.Lock()  # the translator, the pipeline and the steps in flight change together
         self.inflight: dict[Future, object] = {}  # answer -> its SchedulerOutput
         self.pending = None
@@ -247,9 +247,16 @@ class ClusterExecutor(Executor):
     def compile_or_warm_up_model(self) -> None:
         pass
 
+    def _pooling_type(self) -> str:
+        """vLLM's pooling runner (--runner pooling): how the last stage pools a prompt; "" to generate."""
+        if self.model_config.runner_type != "pooling":
+            return ""
+        config = self.model_config.pooler_config
+        return str(getattr(config, "seq_pooling_type", None) or getattr(config, "pooling_type", None) or "LAST")
+
     @cached_property
     def supported_tasks(self):
-        return ("generate",)
+        return ("embed",) if self._pooling_type() else ("generate",)
 
     # --- steps -----------------------------------------------------------------------------------
     def execute_model(self, scheduler_output, non_block: bool = False):
@@ -276,6 +283,8 @@ class ClusterExecutor(Executor):
             return EMPTY_MODEL_RUNNER_OUTPUT
         # The grammar bitmask for this step only arrives in sample_tokens, so the step goes out there.
         self.pending = so
+        if self.translator.pooling:
+            return self._sample(None)  # vLLM never calls sample_tokens for a pooling model
         return None
 
     def _sample(self, grammar_output) -> Future:
@@ -305,7 +314,8 @@ class ClusterExecutor(Executor):
                 # these requests into the very next step.
                 self.translator.record(response)
                 prompt_logprobs = self.translator.prompt_logprobs.add(response.prompt_logprobs)
-            out.set_result(to_runner_output(so, response, prompt_logprobs))
+                pooled = self.translator.pooled(so, response)
+            out.set_result(to_runner_output(so, response, prompt_logprobs, pooled))
 
         answer = pipeline.submit(step)
         out.run = answer.exception  # vLLM's wait for this step drives an in-process stage's answer

@@ -5,6 +5,7 @@ from metal_cluster.proto import cluster_pb2 as pb
 # Peers with another version are refused: a Step's meaning must not drift silently between hosts.
 PROTO_VERSION = 6  # 2: Reset, heartbeats; 3: stage dtype, ring wire dtype, stage-kept tokens; 4: ModelStore;
 # 5: KV cache groups, start timings, every sampling parameter (logits processors, named-id and prompt
-# logprobs), resumed requests' output tokens; 6: LoRA adapters (LoRAAdd/LoRARemove, a request's lora_id)
+# logprobs), resumed requests' output tokens; 6: LoRA adapters (LoRAAdd/LoRARemove, a request's lora_id),
+# pooling requests and their pooled outputs
 
 __all__ = ["pb", "PROTO_VERSION"]

@@ -64,7 +64,7 @@ class BlockIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("req_id", "prompt_token_ids", "block_ids", "num_computed_tokens", "sampling", "group_block_ids", "output_token_ids", "lora_id")
+    __slots__ = ("req_id", "prompt_token_ids", "block_ids", "num_computed_tokens", "sampling", "group_block_ids", "output_token_ids", "lora_id", "pooling")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class NewRequest(_message.Message):
     GROUP_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -81,7 +82,8 @@ class NewRequest(_message.Message):
     group_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
     lora_id: int
-    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., group_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., lora_id: _Optional[int] = ...) -> None: ...
+    pooling: str
+    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., group_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., lora_id: _Optional[int] = ..., pooling: _Optional[str] = ...) -> None: ...
 
 class CachedRequest(_message.Message):
     __slots__ = ("req_id", "resumed", "block_ids", "group_block_ids", "num_computed_tokens", "new_token_ids", "all_token_ids")
@@ -181,15 +183,25 @@ class PromptLogprobs(_message.Message):
     complete: bool
     def __init__(self, req_id: _Optional[str] = ..., start: _Optional[int] = ..., width: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ..., complete: _Optional[bool] = ...) -> None: ...
 
+class PoolingOutput(_message.Message):
+    __slots__ = ("req_id", "data")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    data: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, req_id: _Optional[str] = ..., data: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "sampled", "prompt_logprobs")
+    __slots__ = ("step_id", "sampled", "prompt_logprobs", "pooled")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+    pooled: _containers.RepeatedCompositeFieldContainer[PoolingOutput]
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PoolingOutput, _Mapping]]] = ...) -> None: ...
 
 class AssignRequest(_message.Message):
     __slots__ = ("version", "model", "layer_start", "layer_end", "block_size", "max_num_batched_tokens", "memory_utilization", "model_store", "manifest_sha256")

@@ -48,6 +48,7 @@ class StageOutput:
     sampled: dict[str, Sampled] = field(default_factory=dict)  # last stage only
     on_device: DeviceTokens | None = None  # kept tokens not read back yet: `resolve` reads them
     prompt_logprobs: list = field(default_factory=list)  # pb.PromptLogprobs of this step's prompt chunks
+    pooled: dict[str, np.ndarray] = field(default_factory=dict)  # pooling requests whose prompt ended
 
     def resolve(self) -> "StageOutput":
         if self.on_device is not None:
@@ -102,6 +103,8 @@ class StageRunner:
             out.hidden = hidden
             return out
         out.prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        if any(self.table[r].pooling for r in batch.sample_req_ids):
+            out.pooled = self._pool(batch, hidden)
         if not batch.sample_req_ids:
             mx.async_eval(hidden)  # a prompt chunk that samples nothing still writes its KV
             return out
@@ -125,6 +128,33 @@ class StageRunner:
             for req_id, s in out.sampled.items():
                 self._keep(self.table[req_id], s.token_id)
         return out
+
+    def _pool(self, batch: StepBatch, hidden: mx.array) -> dict[str, np.ndarray]:
+        """vLLM's pooling runner: the final-norm hidden states of each pooling request whose prompt
+        ends this step, pooled (LAST, MEAN, CLS); those requests sample nothing, so they leave the
+        batch's sampling rows."""
+        norm = self.shard.family.inner(self.shard.model).norm
+        starts = np.cumsum([0, *batch.num_tokens]).tolist()
+        row_of = {r: i for i, r in enumerate(batch.req_ids)}
+        pooled, keep = {}, []
+        for k, req_id in enumerate(batch.sample_req_ids):
+            state = self.table[req_id]
+            if not state.pooling:
+                keep.append(k)
+                continue
+            i = row_of[req_id]
+            first, end = starts[i], starts[i + 1]
+            if state.pooling == "LAST":
+                rows = hidden[end - 1 : end]
+            elif state.num_computed_tokens != end - first:  # advanced already: the chunk must be the prompt
+                raise StepError(f"request {req_id!r}: {state.pooling} pooling needs its whole prompt in one step")
+            else:
+                rows = hidden[first : first + 1] if state.pooling == "CLS" else hidden[first:end]
+            pooled[req_id] = mx.mean(norm(rows).astype(mx.float32), axis=0)
+        mx.eval(list(pooled.values()))
+        batch.sample_req_ids = [batch.sample_req_ids[k] for k in keep]
+        batch.logits_rows = batch.logits_rows[mx.array(keep, dtype=mx.int32)] if keep else batch.logits_rows[:0]
+        return {r: np.array(v) for r, v in pooled.items()}
 
     def _prompt_logprobs(self, batch: StepBatch, hidden: mx.array) -> list[pb.PromptLogprobs]:
         """vLLM's prompt logprobs, chunk by chunk: the logits of every prompt position, but only
@@ -236,4 +266,6 @@ def to_response(out: StageOutput) -> pb.StepResponse:
             token.top.logprobs.extend(s.top_logprobs)
         response.sampled.append(token)
     response.prompt_logprobs.extend(out.prompt_logprobs)
+    for req_id, vector in out.pooled.items():
+        response.pooled.add(req_id=req_id, data=vector.tolist())
     return response

@@ -95,7 +95,8 @@ def _read_peft(folder: Path, name: str, config: dict, where: str) -> LoRAAdapter
         if config.get(key):
             raise LoRAAdapterError(f"{where}: {what} ({key}) are not supported; serve a plain LoRA adapter")
     if config.get("bias", "none") != "none":
-        raise LoRAAdapterError(f"{where}: LoRA biases (bias={config['bias']!r}) are not supported; train with bias='none'")
+        raise LoRAAdapterError(f"{where}: LoRA biases (bias={config['bias']!r}) are not supported; "
+                               "train with bias='none'")
     alpha = config.get("lora_alpha")
     if alpha is None:
         raise LoRAAdapterError(f"{where}: {CONFIG} has no lora_alpha")

@@ -26,7 +26,8 @@ def adapters(llama_adapters):
 def expected(llama_model, adapters):
     """Each prompt under the base model and each adapter, from mlx-lm (fused weights)."""
     base, tokenizer = load(str(llama_model))
-    models = {0: base, 1: fused_model(llama_model, adapters["alpha"]), 2: fused_model(llama_model, adapters["beta_as_mlx"])}
+    models = {0: base, 1: fused_model(llama_model, adapters["alpha"]),
+              2: fused_model(llama_model, adapters["beta_as_mlx"])}
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     return prompts, {lora: [mlx_lm_greedy(m, ids, 10) for ids in prompts] for lora, m in models.items()}
 

@@ -529,8 +529,8 @@ def test_lora_adapters_mixed_with_the_base_model(client, tiny_server, llama_mode
     by the base model is no prefix-cache hit for an adapter (vLLM hashes the adapter in)."""
     from lora_fixtures import fused_model
 
-    status, text = _post(tiny_server, json.dumps({"lora_name": "beta", "lora_path": str(llama_adapters["beta"])}).encode(),
-                         path="/v1/load_lora_adapter")
+    body = {"lora_name": "beta", "lora_path": str(llama_adapters["beta"])}
+    status, text = _post(tiny_server, json.dumps(body).encode(), path="/v1/load_lora_adapter")
     assert status == 200, text
     assert "beta" in [m.id for m in client.models.list()]
     base, tokenizer = load(str(llama_model))

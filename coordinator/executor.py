@@ -26,6 +26,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 from metal_cluster.coordinator import kv_specs, load_progress, replan, start_times
 from metal_cluster.coordinator.cluster_control import CONTROL_KEY, ClusterControl
 from metal_cluster.coordinator.cluster_scheduler import loss_output
+from metal_cluster.coordinator.lora_registry import LoRARegistry
 from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV
 from metal_cluster.coordinator.executor_env import (
     DEFAULT_RESUME_TIMEOUT_S, DEFAULT_STAGE_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, LAYERS_ENV, LOCAL_STAGES_ENV,
@@ -103,7 +104,7 @@ class ClusterExecutor(Executor):
         for (a, b), r, stage in zip(self.ranges, self.assigned, self.pipeline.stages):
             log.info("stage %s: layers [%d, %d), %.2f GiB weights, %.2f GiB activations, KV budget %.2f GiB",
                      stage.name, a, b, r.weights_bytes / 2**30, r.activation_bytes / 2**30, r.kv_budget_bytes / 2**30)
-        self.translator = StepTranslator(stage_keeps_tokens=len(self.pipeline) == 1)
+        self.translator = StepTranslator(stage_keeps_tokens=len(self.pipeline) == 1, pooling=self._pooling_type())
         self.lock = threading.Lock()  # the translator, the pipeline and the steps in flight change together
         self.inflight: dict[Future, object] = {}  # answer -> its SchedulerOutput
         self.pending = None
@@ -115,6 +116,9 @@ class ClusterExecutor(Executor):
             self.vllm_config.additional_config[CONTROL_KEY] = self.control
         self.monitor = None
         self.closed = threading.Event()
+        lora = self.vllm_config.lora_config
+        self.loras = (LoRARegistry(self.model_config.model, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras)
+                      if lora is not None else None)
 
     @cached_property
     def _model_json(self) -> dict:
@@ -238,9 +242,16 @@ class ClusterExecutor(Executor):
     def compile_or_warm_up_model(self) -> None:
         pass
 
+    def _pooling_type(self) -> str:
+        """vLLM's pooling runner (--runner pooling): how the last stage pools a prompt; "" to generate."""
+        if self.model_config.runner_type != "pooling":
+            return ""
+        config = self.model_config.pooler_config
+        return str(getattr(config, "seq_pooling_type", None) or getattr(config, "pooling_type", None) or "LAST")
+
     @cached_property
     def supported_tasks(self):
-        return ("generate",)
+        return ("embed",) if self._pooling_type() else ("generate",)
 
     # --- steps -----------------------------------------------------------------------------------
     def execute_model(self, scheduler_output, non_block: bool = False):
@@ -253,6 +264,8 @@ class ClusterExecutor(Executor):
         if so.total_num_scheduled_tokens == 0:
             # Nothing to run, but the stages must still forget finished requests.
             with self.lock:
+                if self.loras is not None:
+                    self.loras.finish(so.finished_req_ids)
                 if self.control.state != "serving":
                     self.translator.forget(so.finished_req_ids)
                     return EMPTY_MODEL_RUNNER_OUTPUT  # the next plan's stages never knew them
@@ -265,6 +278,8 @@ class ClusterExecutor(Executor):
             return EMPTY_MODEL_RUNNER_OUTPUT
         # The grammar bitmask for this step only arrives in sample_tokens, so the step goes out there.
         self.pending = so
+        if self.translator.pooling:
+            return self._sample(None)  # vLLM never calls sample_tokens for a pooling model
         return None
 
     def _sample(self, grammar_output) -> Future:
@@ -275,6 +290,8 @@ class ClusterExecutor(Executor):
                 self.translator.forget(so.finished_req_ids)
                 out.set_result(loss_output(so, self._failure(), self.control.outage_id))
                 return out
+            if self.loras is not None:
+                self.loras.admit(so, self.pipeline, self.ranges)
             step = self.translator.to_step(so, grammar_output)
             pipeline, generation = self.pipeline, self.control.generation
             self.inflight[out] = so
@@ -292,7 +309,8 @@ class ClusterExecutor(Executor):
                 # these requests into the very next step.
                 self.translator.record(response)
                 prompt_logprobs = self.translator.prompt_logprobs.add(response.prompt_logprobs)
-            out.set_result(to_runner_output(so, response, prompt_logprobs))
+                pooled = self.translator.pooled(so, response)
+            out.set_result(to_runner_output(so, response, prompt_logprobs, pooled))
 
         answer = pipeline.submit(step)
         out.run = answer.exception  # vLLM's wait for this step drives an in-process stage's answer
@@ -422,6 +440,8 @@ class ClusterExecutor(Executor):
             self.addresses = [s.name for s in plan.pipeline.stages]
             # The new stages know no request yet; the ones held through the outage go to them as new.
             self.translator = self.translator.next_plan(len(plan.pipeline) == 1)
+            if self.loras is not None:
+                self.loras.resend(plan.pipeline, plan.ranges)
         probe, restart, load = (b - a for a, b in zip(clock, clock[1:]))
         stages = ", ".join(f"{s.name} [{a}, {b})" for s, (a, b) in zip(plan.pipeline.stages, plan.ranges))
         parts = ", ".join(f"{k} {v:.1f}s" for k, v in plan.seconds.items())
@@ -443,6 +463,23 @@ class ClusterExecutor(Executor):
             caches=self._layer_caches(), activation_known=replan.activation_known(self.addresses, self.activation_peak),
             costs=self.placement_costs,
         )
+
+    # --- LoRA: vLLM's own versions call collective_rpc, which resolves names on this class ----------
+    def add_lora(self, lora_request) -> bool:
+        if self.loras is None:
+            raise ValueError("LoRA is not enabled: start the server with --enable-lora")
+        with self.lock:
+            return self.loras.add(lora_request, self.pipeline, self.ranges)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        with self.lock:
+            return self.loras is not None and self.loras.remove(lora_id, self.pipeline)
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return self.loras is not None and self.loras.pin(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.loras.ids() if self.loras is not None else set()
 
     # --- the rest of vLLM's executor surface ------------------------------------------------------
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None, non_block=False):

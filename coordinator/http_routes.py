@@ -25,6 +25,8 @@ from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV, SNAPSHOT, read_
 STATE_VALUES = {"serving": 1, "loaded": 2, "idle": 3, "down": 0}
 # The server's --api-key values, one per line (set by serve.run before the app starts).
 API_KEYS_ENV = "METAL_CLUSTER_API_KEYS"
+# With --enable-lora: {"model": folder, "max_rank": --max-lora-rank}, for checking adapters loaded at run time.
+LORA_CHECK_ENV = "METAL_CLUSTER_LORA_CHECK"
 INDEX = """<!doctype html><meta charset="utf-8"><title>metal-cluster</title>
 <p>metal-cluster: <a href="/dashboard">dashboard</a> · OpenAI API at <code>/v1</code>
 (<a href="/v1/models">models</a>, <a href="/docs">docs</a>) · <a href="/metrics">metrics</a></p>"""
@@ -124,6 +126,10 @@ async def cluster_routes(request, call_next):
         return JSONResponse({"draining": True})
     if path == "/metal-cluster/rebalance" and method == "POST":
         return await _rebalance(request)
+    if path == "/v1/load_lora_adapter" and method == "POST" and os.environ.get(LORA_CHECK_ENV):
+        refused = await _check_lora_adapter(request)
+        if refused is not None:
+            return refused
     if method == "POST" and path.startswith("/v1/") and getattr(state, "metal_cluster_draining", False):
         return _error(503, "this server is shutting down and takes no new requests", "ServiceUnavailable")
     if (method == "POST" and path.startswith("/v1/")) or (method == "GET" and path == "/health"):
@@ -139,6 +145,28 @@ async def cluster_routes(request, call_next):
         return Response(body + extra, status_code=200, headers=headers)
     return response
 
+
+
+async def _check_lora_adapter(request):
+    """A 400 naming what is wrong with an adapter (a missing file, a rank over --max-lora-rank, a
+    module the model lacks), where vLLM would answer the engine's exception as a 500."""
+    import asyncio
+
+    from metal_cluster.coordinator.lora_adapters import LoRAAdapterError, read_adapter
+
+    try:
+        body = json.loads(await request.body() or b"{}")
+        name, path = body.get("lora_name"), body.get("lora_path")
+    except (json.JSONDecodeError, AttributeError):
+        return None  # vLLM's own validation answers it
+    if not isinstance(name, str) or not isinstance(path, str) or not name or not path:
+        return None
+    check = json.loads(os.environ[LORA_CHECK_ENV])
+    try:
+        await asyncio.to_thread(read_adapter, path, name, check["model"], check["max_rank"])
+    except LoRAAdapterError as e:
+        return _error(400, str(e), "BadRequestError")
+    return None
 
 
 async def _rebalance(request):

@@ -4,8 +4,10 @@ vLLM's argument parser stays the single source of serving flags; we only set def
 this machine and pass everything else through with vLLM's names.
 """
 
+import json
 import os
 import re
+import sys
 import threading
 import time
 import urllib.request
@@ -13,7 +15,7 @@ import urllib.request
 from metal_cluster.coordinator import start_times
 from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV
 from metal_cluster.coordinator.executor_env import LAYERS_ENV, STAGES_ENV
-from metal_cluster.coordinator.http_routes import API_KEYS_ENV
+from metal_cluster.coordinator.http_routes import API_KEYS_ENV, LORA_CHECK_ENV
 from metal_cluster.coordinator.vllm_platform import ACTIVATE_ENV
 from metal_cluster.stage_worker.model_source import ModelSource
 
@@ -69,10 +71,26 @@ def run(argv: list[str], stage_addresses: list[str] | None = None, run_dir=None,
     args = parser.parse_args(argv)
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
+    if args.enable_lora:
+        _check_lora_modules(args)
     if args.api_key:  # the dashboard route asks for the same key as the API
         os.environ[API_KEYS_ENV] = "\n".join(args.api_key if isinstance(args.api_key, list) else [args.api_key])
     _announce_when_ready(args)
     uvloop.run(run_server(args))
+
+
+def _check_lora_modules(args) -> None:
+    """A bad --lora-modules adapter is one line before anything starts, not vLLM's traceback once the
+    engine is up; the API server checks adapters loaded at run time the same way (http_routes.py)."""
+    from metal_cluster.coordinator.lora_adapters import LoRAAdapterError, read_adapter
+
+    os.environ[LORA_CHECK_ENV] = json.dumps({"model": args.model, "max_rank": args.max_lora_rank})
+    for module in args.lora_modules or ():
+        try:
+            read_adapter(module.path, module.name, args.model, args.max_lora_rank)
+        except LoRAAdapterError as e:
+            print(f"metal-cluster: error: --lora-modules: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
 
 
 def _announce_when_ready(args) -> None:

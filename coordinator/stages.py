@@ -107,6 +107,15 @@ class LocalStage:
     def submit(self, req) -> Future:
         return _local_step(self.host, req)
 
+    def lora_add(self, req):
+        try:
+            return self.host.lora_add(req)
+        except Exception as e:
+            raise StageCallError(f"local stage: {e}") from None
+
+    def lora_remove(self, req):
+        return self.host.lora_remove(req)
+
     def close(self):
         pass
 
@@ -171,6 +180,12 @@ class RemoteStage:
                     raise
                 time.sleep(0.2)
 
+    def lora_add(self, req):
+        return self._call(self.stub.LoRAAdd, req)
+
+    def lora_remove(self, req):
+        return self._call(self.stub.LoRARemove, req)
+
     def shutdown(self):
         return self._call(self.stub.Shutdown, pb.ShutdownRequest(version=PROTO_VERSION), 5)
 
@@ -232,6 +247,16 @@ class Pipeline:
         _until_joining(self.stages[:-1], first, time.monotonic() + JOIN_HEAD_START_S)
         last = self.pool.submit(self.stages[-1].start, reqs[-1])
         return [f.result() for f in [*first, last]]
+
+    def lora_add(self, adapter, lora_id: int, max_loras: int, max_rank: int,
+                 ranges: list[tuple[int, int]]) -> None:
+        """Give every stage its own layers' part of a LoRA adapter (`lora_adapters.LoRAAdapter`)."""
+        reqs = [adapter.add_request(lora_id, max_loras, max_rank, range(a, b)) for a, b in ranges]
+        list(self.pool.map(lambda sr: sr[0].lora_add(sr[1]), zip(self.stages, reqs)))
+
+    def lora_remove(self, lora_id: int) -> None:
+        req = pb.LoRARemoveRequest(version=PROTO_VERSION, lora_id=lora_id)
+        list(self.pool.map(lambda s: s.lora_remove(req), self.stages))
 
     def submit(self, step: pb.StepRequest) -> Future:
         """Every stage gets every step; the answer is the last stage's. The first error answers at

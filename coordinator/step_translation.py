@@ -46,16 +46,39 @@ def sampling_to_proto(sp) -> pb.SamplingParams:
 
 
 @dataclass
+class PoolingHead:
+    """vLLM's embedding head after the pooling the last stage did: matryoshka truncation to
+    `dimensions`, then L2 normalisation (use_activation)."""
+
+    dimensions: int | None
+    normalize: bool
+
+    def apply(self, vector: np.ndarray):
+        import torch
+
+        if self.dimensions:
+            vector = vector[: self.dimensions]
+        if self.normalize:
+            vector = vector / max(float(np.linalg.norm(vector)), 1e-12)  # torch's F.normalize eps
+        return torch.from_numpy(np.ascontiguousarray(vector, dtype=np.float32))
+
+
+@dataclass
 class Admitted:
     """What a stage learns of a request when it first sees it, kept for a later plan's stages."""
 
     num_prompt_tokens: int
     sampling: pb.SamplingParams
+    lora_id: int = 0
+    pooling: str = ""
 
 
 class StepTranslator:
-    def __init__(self, stage_keeps_tokens: bool = False, admitted: dict[str, Admitted] | None = None):
+    def __init__(self, stage_keeps_tokens: bool = False, admitted: dict[str, Admitted] | None = None,
+                 pooling: str = "", heads: dict[str, PoolingHead] | None = None):
         self.step_id = 0
+        self.pooling = pooling  # a pooling model's pooling type (vLLM's pooler config), else ""
+        self.heads: dict[str, PoolingHead] = dict(heads or {})
         # A single stage (first and last) keeps what it samples; stage 0 of a pipeline is told.
         self.stage_keeps_tokens = stage_keeps_tokens
         self.unsent: dict[str, list[int]] = defaultdict(list)
@@ -66,12 +89,13 @@ class StepTranslator:
         self.on_stages: set[str] = set()
 
     def next_plan(self, stage_keeps_tokens: bool) -> "StepTranslator":
-        return StepTranslator(stage_keeps_tokens, self.admitted)
+        return StepTranslator(stage_keeps_tokens, self.admitted, self.pooling, self.heads)
 
     def forget(self, finished_req_ids) -> None:
         for req_id in finished_req_ids:
             self.unsent.pop(req_id, None)
             self.admitted.pop(req_id, None)
+            self.heads.pop(req_id, None)
             self.on_stages.discard(req_id)
             self.prompt_logprobs.forget(req_id)
 
@@ -81,10 +105,18 @@ class StepTranslator:
         step.finished_req_ids.extend(so.finished_req_ids)
         self.forget(so.finished_req_ids)
         for new in so.scheduled_new_reqs:
-            if new.sampling_params.prompt_logprobs is not None:
-                self.prompt_logprobs.expect(new.req_id, len(new.prompt_token_ids))
-            sampling = sampling_to_proto(new.sampling_params)
-            self.admitted[new.req_id] = Admitted(len(new.prompt_token_ids), sampling)
+            pooling = ""
+            if new.pooling_params is not None:  # no sampling: the last stage pools the prompt
+                pooling = self.pooling or "LAST"
+                params = new.pooling_params
+                self.heads[new.req_id] = PoolingHead(params.dimensions, params.use_activation is not False)
+                sampling = pb.SamplingParams()
+            else:
+                if new.sampling_params.prompt_logprobs is not None:
+                    self.prompt_logprobs.expect(new.req_id, len(new.prompt_token_ids))
+                sampling = sampling_to_proto(new.sampling_params)
+            lora_id = new.lora_request.lora_int_id if new.lora_request is not None else 0
+            self.admitted[new.req_id] = Admitted(len(new.prompt_token_ids), sampling, lora_id, pooling)
             self.on_stages.add(new.req_id)
             step.new_requests.append(pb.NewRequest(
                 req_id=new.req_id,
@@ -96,6 +128,8 @@ class StepTranslator:
                 group_block_ids=[pb.BlockIds(ids=ids) for ids in new.block_ids[1:]],
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=sampling,
+                lora_id=lora_id,
+                pooling=pooling,
             ))
         for cached in self._cached(so.scheduled_cached_reqs):
             if isinstance(cached, pb.NewRequest):
@@ -150,7 +184,17 @@ class StepTranslator:
             group_block_ids=[pb.BlockIds(ids=ids) for ids in blocks[1:]],
             num_computed_tokens=cached.num_computed_tokens[i],
             sampling=seen.sampling,
+            lora_id=seen.lora_id,
+            pooling=seen.pooling,
         )
+
+    def pooled(self, so, response: pb.StepResponse) -> list | None:
+        """vLLM's pooler_output: per scheduled request its embedding, or None (prompt not done yet)."""
+        if not self.pooling:
+            return None
+        by_req = {p.req_id: p for p in response.pooled}
+        return [self.heads[r].apply(np.array(by_req[r].data, dtype=np.float32)) if r in by_req else None
+                for r in so.num_scheduled_tokens]
 
     def record(self, response: pb.StepResponse) -> None:
         if self.stage_keeps_tokens:
@@ -159,7 +203,7 @@ class StepTranslator:
             self.unsent[s.req_id].append(s.token_id)
 
 
-def to_runner_output(so, response: pb.StepResponse, prompt_logprobs: dict | None = None):
+def to_runner_output(so, response: pb.StepResponse, prompt_logprobs: dict | None = None, pooled: list | None = None):
     from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
 
     req_ids = list(so.num_scheduled_tokens)
@@ -187,4 +231,4 @@ def to_runner_output(so, response: pb.StepResponse, prompt_logprobs: dict | None
                 lps[row, 1 : 1 + k] = s.top.logprobs
         logprobs = LogprobsLists(ids, lps, ranks, starts[:-1])
     return ModelRunnerOutput(req_ids=req_ids, req_id_to_index=index, sampled_token_ids=tokens, logprobs=logprobs,
-                             prompt_logprobs_dict=prompt_logprobs or {})
+                             prompt_logprobs_dict=prompt_logprobs or {}, pooler_output=pooled)

@@ -7,6 +7,10 @@ import torch.nn as nn
 class MLXExecutedModel(nn.Module):
     # Pipeline stages are ours (MLX workers); vLLM only needs to know PP is allowed to schedule for it.
     supports_pp = True
+    # LoRA runs on the stages (stage_worker/lora.py); vLLM only checks that the model declares it.
+    supports_lora = True
+    packed_modules_mapping: dict[str, list[str]] = {}
+    embedding_modules: dict[str, str] = {}
 
     def __init__(self, *, vllm_config=None, prefix: str = ""):
         super().__init__()

@@ -64,7 +64,7 @@ class BlockIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class NewRequest(_message.Message):
-    __slots__ = ("req_id", "prompt_token_ids", "block_ids", "num_computed_tokens", "sampling", "group_block_ids", "output_token_ids")
+    __slots__ = ("req_id", "prompt_token_ids", "block_ids", "num_computed_tokens", "sampling", "group_block_ids", "output_token_ids", "lora_id", "pooling")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,8 @@ class NewRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     GROUP_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -79,7 +81,9 @@ class NewRequest(_message.Message):
     sampling: SamplingParams
     group_block_ids: _containers.RepeatedCompositeFieldContainer[BlockIds]
     output_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., group_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    lora_id: int
+    pooling: str
+    def __init__(self, req_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., group_block_ids: _Optional[_Iterable[_Union[BlockIds, _Mapping]]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., lora_id: _Optional[int] = ..., pooling: _Optional[str] = ...) -> None: ...
 
 class CachedRequest(_message.Message):
     __slots__ = ("req_id", "resumed", "block_ids", "group_block_ids", "num_computed_tokens", "new_token_ids", "all_token_ids")
@@ -183,15 +187,25 @@ class PromptLogprobs(_message.Message):
     complete: bool
     def __init__(self, req_id: _Optional[str] = ..., start: _Optional[int] = ..., width: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., ranks: _Optional[_Iterable[int]] = ..., complete: _Optional[bool] = ...) -> None: ...
 
+class PoolingOutput(_message.Message):
+    __slots__ = ("req_id", "data")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    data: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, req_id: _Optional[str] = ..., data: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "sampled", "prompt_logprobs")
+    __slots__ = ("step_id", "sampled", "prompt_logprobs", "pooled")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    POOLED_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+    pooled: _containers.RepeatedCompositeFieldContainer[PoolingOutput]
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PoolingOutput, _Mapping]]] = ...) -> None: ...
 
 class AssignRequest(_message.Message):
     __slots__ = ("version", "model", "layer_start", "layer_end", "block_size", "max_num_batched_tokens", "memory_utilization", "model_store", "manifest_sha256", "activation_bytes_known")
@@ -440,3 +454,55 @@ class WeightsRoomResponse(_message.Message):
     need_bytes: int
     refusal: str
     def __init__(self, need_bytes: _Optional[int] = ..., refusal: _Optional[str] = ...) -> None: ...
+
+class LoRATensor(_message.Message):
+    __slots__ = ("layer", "module", "rank", "input_dims", "output_dims", "a", "b")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INPUT_DIMS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_DIMS_FIELD_NUMBER: _ClassVar[int]
+    A_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    module: str
+    rank: int
+    input_dims: int
+    output_dims: int
+    a: bytes
+    b: bytes
+    def __init__(self, layer: _Optional[int] = ..., module: _Optional[str] = ..., rank: _Optional[int] = ..., input_dims: _Optional[int] = ..., output_dims: _Optional[int] = ..., a: _Optional[bytes] = ..., b: _Optional[bytes] = ...) -> None: ...
+
+class LoRAAddRequest(_message.Message):
+    __slots__ = ("version", "lora_id", "name", "max_loras", "max_rank", "tensors")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_RANK_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    lora_id: int
+    name: str
+    max_loras: int
+    max_rank: int
+    tensors: _containers.RepeatedCompositeFieldContainer[LoRATensor]
+    def __init__(self, version: _Optional[int] = ..., lora_id: _Optional[int] = ..., name: _Optional[str] = ..., max_loras: _Optional[int] = ..., max_rank: _Optional[int] = ..., tensors: _Optional[_Iterable[_Union[LoRATensor, _Mapping]]] = ...) -> None: ...
+
+class LoRAAddResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoRARemoveRequest(_message.Message):
+    __slots__ = ("version", "lora_id")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    LORA_ID_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    lora_id: int
+    def __init__(self, version: _Optional[int] = ..., lora_id: _Optional[int] = ...) -> None: ...
+
+class LoRARemoveResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: bool
+    def __init__(self, removed: _Optional[bool] = ...) -> None: ...

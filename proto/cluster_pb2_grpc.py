@@ -185,6 +185,16 @@ class StageStub:
                 request_serializer=cluster__pb2.WeightsRoomRequest.SerializeToString,
                 response_deserializer=cluster__pb2.WeightsRoomResponse.FromString,
                 _registered_method=True)
+        self.LoRAAdd = channel.unary_unary(
+                '/metal_cluster.v1.Stage/LoRAAdd',
+                request_serializer=cluster__pb2.LoRAAddRequest.SerializeToString,
+                response_deserializer=cluster__pb2.LoRAAddResponse.FromString,
+                _registered_method=True)
+        self.LoRARemove = channel.unary_unary(
+                '/metal_cluster.v1.Stage/LoRARemove',
+                request_serializer=cluster__pb2.LoRARemoveRequest.SerializeToString,
+                response_deserializer=cluster__pb2.LoRARemoveResponse.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -233,6 +243,18 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoRAAdd(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoRARemove(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -270,6 +292,16 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.WeightsRoom,
                     request_deserializer=cluster__pb2.WeightsRoomRequest.FromString,
                     response_serializer=cluster__pb2.WeightsRoomResponse.SerializeToString,
+            ),
+            'LoRAAdd': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoRAAdd,
+                    request_deserializer=cluster__pb2.LoRAAddRequest.FromString,
+                    response_serializer=cluster__pb2.LoRAAddResponse.SerializeToString,
+            ),
+            'LoRARemove': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoRARemove,
+                    request_deserializer=cluster__pb2.LoRARemoveRequest.FromString,
+                    response_serializer=cluster__pb2.LoRARemoveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -461,6 +493,60 @@ class Stage:
             '/metal_cluster.v1.Stage/WeightsRoom',
             cluster__pb2.WeightsRoomRequest.SerializeToString,
             cluster__pb2.WeightsRoomResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoRAAdd(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/metal_cluster.v1.Stage/LoRAAdd',
+            cluster__pb2.LoRAAddRequest.SerializeToString,
+            cluster__pb2.LoRAAddResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoRARemove(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/metal_cluster.v1.Stage/LoRARemove',
+            cluster__pb2.LoRARemoveRequest.SerializeToString,
+            cluster__pb2.LoRARemoveResponse.FromString,
             options,
             channel_credentials,
             insecure,

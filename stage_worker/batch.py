@@ -62,6 +62,7 @@ class StepBatch:
     # the device: token_ids holds PENDING there until the runner fills them in.
     pending: list[tuple[int, str, int]]
     prompt_rows: list[PromptRows]
+    lora_slots: "np.ndarray | None" = None  # [total_q] each token's LoRA slot (None: no adapter this step)
 
 
 def build_batch(table: RequestTable, scheduled, block_size: int, with_state: bool = False) -> StepBatch:

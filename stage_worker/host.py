@@ -171,6 +171,21 @@ class StageHost:
             phase=self.phase,
         )
 
+    # --- LoRA adapters ---------------------------------------------------------------------------
+    def lora_add(self, req: pb.LoRAAddRequest) -> pb.LoRAAddResponse:
+        check_version(req.version)
+        with self.lock:  # never while a step is being prepared or built
+            if self.runner is None:
+                raise StageStateError(f"a LoRA adapter needs a started stage; this one is {self.state}")
+            self.runner.lora.add(req)
+        return pb.LoRAAddResponse()
+
+    def lora_remove(self, req: pb.LoRARemoveRequest) -> pb.LoRARemoveResponse:
+        check_version(req.version)
+        with self.lock:
+            removed = self.runner is not None and self.runner.lora.remove(req.lora_id)
+        return pb.LoRARemoveResponse(removed=removed)
+
     # --- data ------------------------------------------------------------------------------------
     def step(self, req: pb.StepRequest, wait_s: float = 60.0) -> pb.StepResponse:
         """Run one step and answer it, before the next step may start (the gRPC path)."""

@@ -33,6 +33,8 @@ class RequestState:
     # per KV cache group: the leading blocks dropped as behind a sliding window
     forgotten: list[int] = field(default_factory=list)
     prompt_logprobs_done: bool = False  # reported once: a recomputation after preemption does not redo them
+    lora_id: int = 0  # the LoRA adapter it runs with (0: the base model)
+    pooling: str = ""  # a pooling request's pooling type (LAST, MEAN, CLS); empty: it generates
 
     @property
     def output_ids(self) -> list[int]:
@@ -78,6 +80,8 @@ class RequestTable:
                 forgotten=[0] * self.num_groups,
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=new.sampling,
+                lora_id=new.lora_id,
+                pooling=new.pooling,
                 # A seeded request's draws are keyed by seed and position (sampler.draw_key), so one
                 # resumed on a new plan with its outputs draws what it would have.
                 rng=np.random.default_rng(new.sampling.seed if new.sampling.HasField("seed") else None),

@@ -14,6 +14,7 @@ import numpy as np
 from metal_cluster.proto import pb
 from metal_cluster.stage_worker.attention import LayerContext
 from metal_cluster.stage_worker.batch import StepBatch, build_batch
+from metal_cluster.stage_worker.lora import LoRABank
 from metal_cluster.stage_worker.paged_kv import KVPool
 from metal_cluster.stage_worker.request_table import PENDING, RequestTable, RequestState, StepError
 from metal_cluster.stage_worker.sampler import (Sampled, SampleRow, draw_key, gather_logprobs, log_softmax,
@@ -49,6 +50,7 @@ class StageOutput:
     accepted: dict[str, list[Sampled]] = field(default_factory=dict)
     on_device: DeviceTokens | None = None  # kept tokens not read back yet: `resolve` reads them
     prompt_logprobs: list = field(default_factory=list)  # pb.PromptLogprobs of this step's prompt chunks
+    pooled: dict[str, np.ndarray] = field(default_factory=dict)  # pooling requests whose prompt ended
 
     def resolve(self) -> "StageOutput":
         if self.on_device is not None:
@@ -62,6 +64,7 @@ class StageRunner:
         self.shard = shard
         self.pool = pool
         self.table = RequestTable(pool.num_blocks, pool.layout.windows, pool.block_size, pool.layout.recurrent)
+        self.lora = LoRABank(shard.layers, shard.start, shard.dtype)
 
     def step(self, step: pb.StepRequest, hidden_in: mx.array | None = None) -> StageOutput:
         """prepare + run, waited for."""
@@ -73,7 +76,17 @@ class StageRunner:
             raise StepError("only a stage that runs the whole model can keep its sampled tokens")
         self.table.apply(step)
         self.pool.copy_blocks([(c.src, c.dst) for c in step.block_copies])
-        return build_batch(self.table, step.scheduled, self.pool.block_size, any(self.pool.is_state))
+        batch = build_batch(self.table, step.scheduled, self.pool.block_size, any(self.pool.is_state))
+        batch.lora_slots = self._lora_slots(batch)
+        return batch
+
+    def _lora_slots(self, batch: StepBatch) -> np.ndarray | None:
+        lora_ids = [self.table[r].lora_id for r in batch.req_ids]
+        if not any(lora_ids):
+            return None
+        slots = self.lora.slots_for(set(lora_ids))
+        per_request = [slots.get(i, 0) for i in lora_ids]
+        return np.repeat(np.array(per_request, dtype=np.int64), batch.num_tokens)
 
     def run(self, step: pb.StepRequest, batch: StepBatch, hidden_in: mx.array | None = None) -> StageOutput:
         """Run the step's work. A stage that keeps its tokens only queues it: `StageOutput.resolve`
@@ -92,6 +105,8 @@ class StageRunner:
             out.hidden = hidden
             return out
         out.prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        if any(self.table[r].pooling for r in batch.sample_req_ids):
+            out.pooled = self._pool(batch, hidden)
         if not batch.sample_req_ids:
             mx.async_eval(hidden)  # a prompt chunk that samples nothing still writes its KV
             return out
@@ -117,6 +132,33 @@ class StageRunner:
             for req_id, s in out.sampled.items():
                 self._keep(self.table[req_id], s.token_id)
         return out
+
+    def _pool(self, batch: StepBatch, hidden: mx.array) -> dict[str, np.ndarray]:
+        """vLLM's pooling runner: the final-norm hidden states of each pooling request whose prompt
+        ends this step, pooled (LAST, MEAN, CLS); those requests sample nothing, so they leave the
+        batch's sampling rows."""
+        norm = self.shard.family.inner(self.shard.model).norm
+        starts = np.cumsum([0, *batch.num_tokens]).tolist()
+        row_of = {r: i for i, r in enumerate(batch.req_ids)}
+        pooled, keep = {}, []
+        for k, req_id in enumerate(batch.sample_req_ids):
+            state = self.table[req_id]
+            if not state.pooling:
+                keep.append(k)
+                continue
+            i = row_of[req_id]
+            first, end = starts[i], starts[i + 1]
+            if state.pooling == "LAST":
+                rows = hidden[end - 1 : end]
+            elif state.num_computed_tokens != end - first:  # advanced already: the chunk must be the prompt
+                raise StepError(f"request {req_id!r}: {state.pooling} pooling needs its whole prompt in one step")
+            else:
+                rows = hidden[first : first + 1] if state.pooling == "CLS" else hidden[first:end]
+            pooled[req_id] = mx.mean(norm(rows).astype(mx.float32), axis=0)
+        mx.eval(list(pooled.values()))
+        batch.sample_req_ids = [batch.sample_req_ids[k] for k in keep]
+        batch.logits_rows = batch.logits_rows[mx.array(keep, dtype=mx.int32)] if keep else batch.logits_rows[:0]
+        return {r: np.array(v) for r, v in pooled.items()}
 
     def _prompt_logprobs(self, batch: StepBatch, hidden: mx.array) -> list[pb.PromptLogprobs]:
         """vLLM's prompt logprobs, chunk by chunk: the logits of every prompt position, but only
@@ -226,8 +268,12 @@ class StageRunner:
                 raise StepError(f"step {batch.req_ids[:1]}: expected hidden states for {batch.token_ids.shape[0]} tokens, got {got}")
             h = hidden_in
         h = h[None]
-        for i, layer in enumerate(self.shard.layers):
-            h = layer(h, None, LayerContext(batch, self.pool, i))
+        self.lora.activate(batch.lora_slots)  # read by the adapted modules while the graph is built
+        try:
+            for i, layer in enumerate(self.shard.layers):
+                h = layer(h, None, LayerContext(batch, self.pool, i))
+        finally:
+            self.lora.activate(None)
         return h[0]
 
 
@@ -251,6 +297,8 @@ def to_response(out: StageOutput) -> pb.StepResponse:
             token.top.logprobs.extend(s.top_logprobs)
         response.sampled.append(token)
     response.prompt_logprobs.extend(out.prompt_logprobs)
+    for req_id, vector in out.pooled.items():
+        response.pooled.add(req_id=req_id, data=vector.tolist())
     return response
 
 

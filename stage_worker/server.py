@@ -18,6 +18,7 @@ from metal_cluster.proto import cluster_pb2_grpc as pb_grpc
 from metal_cluster.proto import pb
 from metal_cluster.stage_worker import cluster_tls
 from metal_cluster.stage_worker.errors import ModelLoadError
+from metal_cluster.stage_worker.lora import LoRAError
 from metal_cluster.stage_worker.host import StageHost, StageStateError, VersionError, check_version
 from metal_cluster.stage_worker.request_table import StepError
 from metal_cluster.stage_worker.ring import RingError
@@ -29,6 +30,7 @@ STATUS = {
     VersionError: grpc.StatusCode.FAILED_PRECONDITION,
     StageStateError: grpc.StatusCode.FAILED_PRECONDITION,
     StepError: grpc.StatusCode.INVALID_ARGUMENT,
+    LoRAError: grpc.StatusCode.INVALID_ARGUMENT,
     ModelLoadError: grpc.StatusCode.INVALID_ARGUMENT,
     RingError: grpc.StatusCode.UNAVAILABLE,
 }
@@ -92,6 +94,20 @@ class StageService(pb_grpc.StageServicer):
         if req.heartbeat:
             self.host.touch()
         return self.host.health()
+
+    @_rpc
+    def LoRAAdd(self, req):
+        resp = self.host.lora_add(req)
+        log.info("LoRA adapter %r (id %d) added: %d tensors on this stage's layers", req.name, req.lora_id,
+                 len(req.tensors))
+        return resp
+
+    @_rpc
+    def LoRARemove(self, req):
+        resp = self.host.lora_remove(req)
+        if resp.removed:
+            log.info("LoRA adapter %d removed", req.lora_id)
+        return resp
 
     @_rpc
     def Shutdown(self, req):

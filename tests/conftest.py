@@ -17,3 +17,11 @@ def tiny_model(request, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def llama_model(tmp_path_factory) -> Path:
     return tiny_models.build_tiny_model("llama", tmp_path_factory.mktemp("llama-only"))
+
+
+@pytest.fixture(scope="session")
+def llama_adapters(llama_model, tmp_path_factory) -> dict:
+    """Two random LoRA adapters of llama_model: 'alpha' (mlx-lm format), 'beta' (PEFT); see lora_fixtures."""
+    from lora_fixtures import build_adapters
+
+    return build_adapters(llama_model, tmp_path_factory.mktemp("llama-adapters"))

@@ -62,7 +62,15 @@ def test_stages_match_mlx_lm(tiny_model, stages, tmp_path):
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     expected = [mlx_lm_greedy(ref_model, ids, 10) for ids in prompts]
     few = [mlx_lm_masked_greedy(ref_model, ids, 16, FEW)[0] for ids in prompts[:3]]
-    with running_server(tiny_model, *ARGS, "-pp", str(stages), "--speculative-config", NGRAM,
+    lora = []
+    with_lora = stages == 2 and json.loads((tiny_model / "config.json").read_text())["model_type"] == "llama"
+    if with_lora:  # two LoRA adapters of this model, each stage applying its own layers' part
+        from lora_fixtures import build_adapters
+
+        adapters = build_adapters(tiny_model, tmp_path / "adapters")
+        lora = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+                "--lora-modules", f"alpha={adapters['alpha']}", f"beta={adapters['beta']}"]
+    with running_server(tiny_model, *ARGS, "-pp", str(stages), "--speculative-config", NGRAM, *lora,
                         log_path=tmp_path / "server.log") as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -79,6 +87,8 @@ def test_stages_match_mlx_lm(tiny_model, stages, tmp_path):
         assert greedy(client, prompts[4], 10) == expected[4]
         if stages == 2:
             _check_sampling_across_stages(client, ref_model, prompts[1] + prompts[4])
+        if with_lora:
+            _check_lora_across_stages(client, tiny_model, adapters, prompts[:3], expected[:3])
         with open(tmp_path / "server.log") as log:
             text = log.read()
         assert f"{stages} local stage workers up" in text
@@ -106,6 +116,28 @@ def _check_sampling_across_stages(client, ref_model, ids):
         # float32: 1e-4, relative for unlikely tokens (whose logprobs reach -20 and beyond)
         assert abs(entry[ids[pos]] - expected[pos - 1, ids[pos]]) < 1e-4 * max(1, -expected[pos - 1, ids[pos]]), pos
         assert abs(entry[best] - expected[pos - 1, best]) < 1e-4, pos
+
+
+def _check_lora_across_stages(client, model_dir, adapters, prompts, base_expected):
+    """The base model and both adapters in the same batches over two stages, each equal to mlx-lm
+    with that adapter fused into the weights."""
+    from lora_fixtures import fused_model
+
+    want = {"m": base_expected}
+    for name, oracle in (("alpha", "alpha"), ("beta", "beta_as_mlx")):
+        fused = fused_model(model_dir, adapters[oracle])
+        want[name] = [mlx_lm_greedy(fused, ids, 10) for ids in prompts]
+    jobs = [(model, i) for model in want for i in range(len(prompts))]
+
+    def run(job):
+        r = client.completions.create(model=job[0], prompt=prompts[job[1]], max_tokens=10, temperature=0,
+                                      extra_body={"ignore_eos": True, "return_token_ids": True})
+        return r.choices[0].token_ids
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(run, jobs))
+    assert got == [want[model][i] for model, i in jobs]
+    assert want["alpha"] != want["m"] and want["beta"] != want["m"]
 
 
 def test_eight_streams_over_three_stages_smollm2(tmp_path):

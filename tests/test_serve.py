@@ -26,12 +26,19 @@ LIMITS = ["--max-request-body-bytes", str(MAX_BODY), "--max-waiting-requests", s
           "--request-body-timeout", str(BODY_TIMEOUT)]
 
 
+# LoRA: 'alpha' from the start, others loaded through the API (test_lora_adapters_*).
+LORA = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+
+
 @pytest.fixture(scope="module")
-def tiny_server(llama_model, tmp_path_factory):
+def tiny_server(llama_model, llama_adapters, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    with running_server(llama_model, *COMMON, *LIMITS, "--served-model-name", "tiny",
-                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", log_path=log) as url:
-        yield url
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")  # vLLM's gate for /v1/load_lora_adapter
+        with running_server(llama_model, *COMMON, *LIMITS, *LORA, "--lora-modules", f"alpha={llama_adapters['alpha']}",
+                            "--served-model-name", "tiny", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                            log_path=log) as url:
+            yield url
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +47,8 @@ def client(tiny_server):
 
 
 def test_models_and_health(client, tiny_server):
-    assert [m.id for m in client.models.list()] == ["tiny"]
+    models = {m.id: m for m in client.models.list()}
+    assert list(models)[:2] == ["tiny", "alpha"] and models["alpha"].parent == "tiny"
     with urllib.request.urlopen(f"{tiny_server}/metrics", timeout=10) as r:
         assert b"vllm:num_requests_running" in r.read()
 
@@ -630,3 +638,82 @@ def test_ngram_json_schema_and_stop_string_mid_draft_match_plain(client, ngram, 
     assert got[1].text == got[0].text and got[1].finish_reason == got[0].finish_reason == "stop"
     assert len(got[1].text) < len(free.text)
     assert accepted_drafts(url) > before
+
+
+def _lora_greedy(client, model, ids, n=10):
+    r = client.completions.create(model=model, prompt=ids, max_tokens=n, temperature=0,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    return r.choices[0].token_ids
+
+
+def test_lora_adapters_mixed_with_the_base_model(client, tiny_server, llama_model, llama_adapters):
+    """The base model, 'alpha' (static, mlx-lm format) and 'beta' (loaded now, PEFT) in the same
+    batches: each equals mlx-lm's generation with that adapter fused into the weights. A prompt seen
+    by the base model is no prefix-cache hit for an adapter (vLLM hashes the adapter in)."""
+    from lora_fixtures import fused_model
+
+    body = {"lora_name": "beta", "lora_path": str(llama_adapters["beta"])}
+    status, text = _post(tiny_server, json.dumps(body).encode(), path="/v1/load_lora_adapter")
+    assert status == 200, text
+    assert "beta" in [m.id for m in client.models.list()]
+    base, tokenizer = load(str(llama_model))
+    oracles = {"tiny": base, "alpha": fused_model(llama_model, llama_adapters["alpha"]),
+               "beta": fused_model(llama_model, llama_adapters["beta_as_mlx"])}
+    prompts = [tokenizer.encode(t) for t in ("Hello world, this is a test", "Tea or coffee? " * 6)]
+    want = {(m, i): mlx_lm_greedy(ref, ids, 10) for m, ref in oracles.items() for i, ids in enumerate(prompts)}
+    jobs = [(m, i) for i in range(len(prompts)) for m in oracles] * 2
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(lambda job: _lora_greedy(client, job[0], prompts[job[1]]), jobs))
+    assert got == [want[job] for job in jobs]
+    assert len({tuple(want[(m, 0)]) for m in oracles}) == 3  # the adapters change the text
+
+
+def test_lora_load_and_unload_while_others_run(client, tiny_server, llama_model, llama_adapters):
+    """Streams of the base model keep going, unchanged, while an adapter is loaded, used and unloaded."""
+    import threading
+
+    from lora_fixtures import fused_model
+
+    ids, n = [5, 17, 42, 99, 123, 7], 200
+    common = dict(prompt=ids, max_tokens=n, temperature=0, extra_body={"ignore_eos": True})
+    expected = client.completions.create(model="tiny", **common).choices[0].text
+    started = [threading.Event() for _ in range(2)]
+
+    def stream(flag):
+        text = ""
+        for chunk in client.completions.create(model="tiny", stream=True, **common):
+            text += chunk.choices[0].text if chunk.choices else ""
+            flag.set()
+        return text
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        running = [pool.submit(stream, flag) for flag in started]
+        assert all(flag.wait(60) for flag in started)
+        body = {"lora_name": "gamma", "lora_path": str(llama_adapters["beta_as_mlx"])}
+        status, text = _post(tiny_server, json.dumps(body).encode(), path="/v1/load_lora_adapter")
+        assert status == 200, text
+        assert _lora_greedy(client, "gamma", ids, 8) == mlx_lm_greedy(
+            fused_model(llama_model, llama_adapters["beta_as_mlx"]), ids, 8)
+        status, text = _post(tiny_server, json.dumps({"lora_name": "gamma"}).encode(), path="/v1/unload_lora_adapter")
+        assert status == 200, text
+        assert not any(f.done() for f in running)  # all of it happened while they ran
+        assert [f.result(timeout=120) for f in running] == [expected] * 2
+    with pytest.raises(openai.NotFoundError):
+        _lora_greedy(client, "gamma", ids, 2)
+
+
+def test_bad_lora_adapters_are_a_400_naming_the_problem(client, tiny_server, llama_model, tmp_path):
+    from lora_fixtures import ATTENTION, random_pairs, write_peft
+
+    wide = write_peft(tmp_path / "wide", random_pairs(llama_model, ATTENTION, 16, seed=5), 16, 16.0, ATTENTION)
+    odd_pairs = random_pairs(llama_model, ATTENTION, 4, seed=6)
+    odd_pairs["model.layers.1.mlp.w9"] = odd_pairs["model.layers.1.self_attn.q_proj"]
+    odd = write_peft(tmp_path / "odd", odd_pairs, 4, 8.0, ATTENTION)
+    (tmp_path / "no-weights").mkdir()
+    (tmp_path / "no-weights" / "adapter_config.json").write_text("{}")
+    for path, says in ((wide, "rank 16 is over --max-lora-rank 8"), (odd, "targets mlp.w9 of layer 1"),
+                       (tmp_path / "missing", "no such folder"), (tmp_path / "no-weights", "neither")):
+        body = {"lora_name": path.name, "lora_path": str(path)}
+        status, text = _post(tiny_server, json.dumps(body).encode(), path="/v1/load_lora_adapter")
+        assert status == 400 and says in json.loads(text)["error"]["message"], text
+    assert _lora_greedy(client, "tiny", [1, 2, 3], 2)  # still serving

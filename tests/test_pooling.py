@@ -1,0 +1,95 @@
+"""Pooling (vLLM's --runner pooling): the last stage returns the final-norm hidden states pooled, equal
+to mlx-lm's own forward pass pooled the same way (float32, 1e-5); through the API with two stages."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import openai
+import pytest
+from mlx_lm.utils import load
+
+from metal_cluster.proto import PROTO_VERSION, pb
+from metal_cluster.stage_worker.model_source import resolve_model
+from metal_cluster.stage_worker.paged_kv import KVPool
+from metal_cluster.stage_worker.runner import StageRunner
+from metal_cluster.stage_worker.shard import load_shard
+from server_process import running_server
+
+BLOCK_SIZE, NUM_BLOCKS = 8, 64
+TEXTS = ["Hello world, this is a test", "The quick brown fox jumps over the lazy dog", "A"]
+
+
+def mlx_lm_pooled(model, ids, kind):
+    hidden = np.array(model.model(mx.array(ids)[None])[0].astype(mx.float32))  # after the final norm
+    return {"LAST": hidden[-1], "CLS": hidden[0], "MEAN": hidden.mean(axis=0)}[kind]
+
+
+def _runners(source, ranges):
+    out = []
+    for a, b in ranges:
+        shard = load_shard(source, a, b)
+        out.append(StageRunner(shard, KVPool.allocate(shard.caches, NUM_BLOCKS, BLOCK_SIZE, shard.dtype)))
+    return out
+
+
+def _run(runners, step):
+    hidden = None
+    for runner in runners:
+        out = runner.step(step, hidden)
+        hidden = out.hidden
+    return out
+
+
+@pytest.mark.parametrize("ranges", [[(0, 4)], [(0, 2), (2, 4)]], ids=["one-stage", "two-stages"])
+def test_pooled_equals_mlx_lm(llama_model, ranges):
+    """LAST, MEAN and CLS requests in one step beside a generating one; LAST once more over two
+    prefill chunks."""
+    ref, tokenizer = load(str(llama_model))
+    prompts = [tokenizer.encode(t) for t in TEXTS]
+    runners = _runners(resolve_model(llama_model), ranges)
+    step = pb.StepRequest(version=PROTO_VERSION, step_id=0)
+    next_block, kinds = 1, {}
+    for i, ids in enumerate(prompts):
+        for kind in ("LAST", "MEAN", "CLS", ""):
+            req_id = f"{kind or 'gen'}-{i}"
+            blocks = list(range(next_block, next_block + math.ceil(len(ids) / BLOCK_SIZE)))
+            next_block += len(blocks)
+            step.new_requests.add(req_id=req_id, prompt_token_ids=ids, block_ids=blocks, pooling=kind)
+            step.scheduled.add(req_id=req_id, num_tokens=len(ids))
+            kinds[req_id] = kind
+    out = _run(runners, step)
+    assert set(out.sampled) == {r for r, k in kinds.items() if not k}  # pooling requests sample nothing
+    assert set(out.pooled) == {r for r, k in kinds.items() if k}
+    for req_id, vector in out.pooled.items():
+        kind, i = kinds[req_id], int(req_id.split("-")[1])
+        np.testing.assert_allclose(vector, mlx_lm_pooled(ref, prompts[i], kind), atol=1e-5, rtol=0)
+    # LAST over two chunks: nothing pooled after the first, the whole prompt's last token after the second.
+    ids = prompts[1]
+    chunked = pb.StepRequest(version=PROTO_VERSION, step_id=1, finished_req_ids=list(kinds))
+    chunked.new_requests.add(req_id="c", prompt_token_ids=ids, block_ids=[1, 2], pooling="LAST")
+    chunked.scheduled.add(req_id="c", num_tokens=5)
+    assert not _run(runners, chunked).pooled
+    rest = pb.StepRequest(version=PROTO_VERSION, step_id=2)
+    rest.cached_requests.add(req_id="c", num_computed_tokens=5)
+    rest.scheduled.add(req_id="c", num_tokens=len(ids) - 5)
+    np.testing.assert_allclose(_run(runners, rest).pooled["c"], mlx_lm_pooled(ref, ids, "LAST"), atol=1e-5, rtol=0)
+
+
+def test_embeddings_over_two_stages(llama_model, tmp_path):
+    """The openai client's embeddings.create against a two-stage pooling server: vLLM's head
+    (L2-normalised) over the last stage's pooled vector, equal to mlx-lm's; too long is a 400."""
+    ref, tokenizer = load(str(llama_model))
+    args = ["--runner", "pooling", "--convert", "embed", "-pp", "2", "--gpu-memory-utilization", "0.05",
+            "--max-model-len", "128", "--max-num-batched-tokens", "16", "--max-num-seqs", "8",
+            "--served-model-name", "emb"]
+    with running_server(llama_model, *args, log_path=tmp_path / "server.log") as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+        texts = TEXTS + ["Pipeline stages overlap instead of idling, " * 3]  # over 16 tokens: chunked
+        r = client.embeddings.create(model="emb", input=texts)
+        for text, item in zip(texts, r.data):
+            want = mlx_lm_pooled(ref, tokenizer.encode(text), "LAST")
+            np.testing.assert_allclose(item.embedding, want / np.linalg.norm(want), atol=1e-5, rtol=0)
+        with pytest.raises(openai.BadRequestError, match="maximum context length is 128"):
+            client.embeddings.create(model="emb", input=[5] * 200)
+        assert client.embeddings.create(model="emb", input="still serving").data[0].embedding

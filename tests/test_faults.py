@@ -89,13 +89,13 @@ def stream(client, ids, started):
         return "error", str(e), time.monotonic()
 
 
-def wait_for(predicate, timeout, what):
+def wait_for(predicate, timeout, what, every=0.5):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(0.5)
+        time.sleep(every)
     raise AssertionError(f"{what}: not within {timeout}s")
 
 
@@ -170,11 +170,12 @@ def test_a_lost_stage_pauses_every_stream_and_the_cluster_heals(llama_model, env
             faulted = time.monotonic()
             at_fault = [len(s.tokens) for s in streams]
             assert all(n < RESUMED for n in at_fault), at_fault  # all of them were mid-stream
-            # The pause: all 9 held; the one whose client hangs up frees its hold while the cluster heals.
-            wait_for(lambda: status_http(url).get("requests_held") == 9, 30, "9 requests held")
+            # The pause: all 9 held; the one whose client hangs up frees its hold while the cluster
+            # heals. A re-plan can take little more than a second, so the hang-up comes as soon as
+            # the hold is seen, and what proves it let go is that only 8 requests resume (below).
+            wait_for(lambda: status_http(url).get("requests_held") == 9, 30, "9 requests held", every=0.02)
             leaver.hang_up()
-            wait_for(lambda: status_http(url).get("requests_held") == 8, 5, "the hung-up request let go")
-            assert status_http(url)["state"] == "healing"
+            wait_for(lambda: status_http(url).get("requests_held") != 9, 5, "the hung-up request let go", every=0.02)
             # Sent once the loss is known, while the cluster heals: held, then answered by the new plan.
             with concurrent.futures.ThreadPoolExecutor(2) as pool:
                 held = list(pool.map(lambda ids: greedy(client_for(url, 180), ids, 10), prompts[:2]))

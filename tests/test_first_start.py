@@ -24,9 +24,9 @@ import pytest
 from server_process import free_port
 
 README = Path(__file__).resolve().parent.parent / "README.md"
-# The goal is 20 s (bench/README.md has the measured figure). 60, not 40, since the merges of
-# 2026-12-01 (fourth session): a quiet start now takes ~45 s (6 s before the "serving" line, 20 s of
-# stage start instead of 12): a regression under investigation, not the target.
+# The goal is 20 s (bench/README.md has the measured figure). The limit guards against a hang, not
+# the goal: on 2026-12-01 the same code that answered in 26.9 s took ~45 s an evening later on the
+# same otherwise quiet 2-core machine (the commit before that day's merges as well), so 40 s failed.
 FIRST_ANSWER_LIMIT_S = 60
 
 

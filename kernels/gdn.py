@@ -15,18 +15,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from metal_cluster.kernels.gpu import _COMMON_MACROS, _MACROS, LANES, WARPS
-
-_PROLOGUE = {
-    "metal": """
-  const int tg_id = int(threadgroup_position_in_grid.x);
-  const int tid = int(thread_position_in_threadgroup.x);
-""",
-    "cuda": """
-  const int tg_id = int(blockIdx.x);
-  const int tid = int(threadIdx.x);
-""",
-}
+from metal_cluster.kernels.gpu import _COMMON_MACROS, _MACROS, _PROLOGUE, LANES, WARPS
 
 _BODY = """
   constexpr int DK = {dk};

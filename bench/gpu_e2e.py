@@ -250,6 +250,7 @@ def main():
     p.add_argument("--concurrency", type=int, nargs="+", help="default 1 8 32 (--tiny: 1 8)")
     p.add_argument("--input-len", type=int, help="prompt tokens (default 1024; --tiny 64)")
     p.add_argument("--output-len", type=int, help="output tokens per request (default 128; --tiny 16)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="passed to serve (default: vLLM's, 8192 on a GPU)")
     p.add_argument("--prompts-per-slot", type=int, default=4, help="requests per unit of concurrency")
     p.add_argument("--client", choices=("vllm", "openai"), default="vllm")
     p.add_argument("--work-dir", type=Path, default=Path("/tmp/gpu-serving"), help="model folders (reused)")
@@ -296,8 +297,10 @@ def main():
     work = logs / "runs"  # each run's raw results and the client's log
     work.mkdir(parents=True, exist_ok=True)
     max_len = args.input_len + args.output_len + 64
-    extra = ["--gpu-memory-utilization", str(args.memory_utilization), "--max-num-batched-tokens", "2048", "--max-model-len", str(max_len),
+    extra = ["--gpu-memory-utilization", str(args.memory_utilization), "--max-model-len", str(max_len),
              "--max-num-seqs", str(max(32, *args.concurrency))]
+    if args.max_num_batched_tokens:
+        extra += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     state: dict = {}
     print(f"model folder {folder} ({results['folder_s']:.0f}s); starting both servers (logs in {logs})", flush=True)
     t0 = time.perf_counter()

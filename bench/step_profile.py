@@ -7,7 +7,7 @@ back), first one step at a time (nothing overlaps), then one step ahead as under
 scheduling. The device time of a step is then about `wait` in the first mode, and a step ahead
 costs max(host, device).
 
-  python3 bench/step_profile.py FOLDER [FOLDER ...] [--steps 32]
+  python3 bench/step_profile.py FOLDER [FOLDER ...] [--steps 32] [--mlx-lm] [--compile on|off|both]
 """
 
 import argparse
@@ -27,6 +27,7 @@ from metal_cluster.stage_worker import runner as runner_module  # noqa: E402
 from metal_cluster.stage_worker.host import StageHost  # noqa: E402
 
 BLOCK_SIZE = 16
+COMPILE_CHOICES = {"on": (True,), "off": (False,), "both": (False, True)}
 
 
 class Clock:
@@ -166,6 +167,8 @@ def main():
     parser.add_argument("folders", nargs="+", type=Path)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--mlx-lm", action="store_true", help="also split mlx-lm's own decode loop")
+    parser.add_argument("--compile", choices=tuple(COMPILE_CHOICES), default="on",
+                        help="the decode step's pure parts through mx.compile (stage_worker/compiled.py), as serve runs them, or not, or both")
     args = parser.parse_args()
     print(f"device: {mx.default_device()}")
     print("| model | mode | step (ms) | launch | prepare | graph | submit | wait |")
@@ -180,10 +183,14 @@ def main():
         clock = Clock()
         instrument(host, clock)
         stream = mx.new_stream(mx.default_device())
-        for mode, ahead, on in (("sync", False, None), ("ahead", True, None), ("ahead, own stream", True, stream)):
-            r = profile(host, clock, ahead, args.steps, stream=on)
-            cells = " | ".join(f"{r.get(k, 0.0):.2f}" for k in ("launch", "prepare", "graph", "submit", "wait"))
-            print(f"| {folder.name} | {mode} | {r['step_ms']:.2f} | {cells} |", flush=True)
+        modes = [("sync", False, None), ("ahead", True, None), ("ahead, own stream", True, stream)]
+        for compiled in COMPILE_CHOICES[args.compile]:
+            runner_module.COMPILE = compiled
+            for mode, ahead, on in modes if args.compile != "both" else modes[:2]:
+                r = profile(host, clock, ahead, args.steps, stream=on)
+                cells = " | ".join(f"{r.get(k, 0.0):.2f}" for k in ("launch", "prepare", "graph", "submit", "wait"))
+                label = f"{mode}, {'compiled' if compiled else 'not compiled'}"
+                print(f"| {folder.name} | {label} | {r['step_ms']:.2f} | {cells} |", flush=True)
         del host
         mx.clear_cache()
 

@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from metal_cluster.kernels import paged_attention
+from metal_cluster.stage_worker.compiled import CompileSwitch
 
 
 class LayerContext:
@@ -32,18 +33,33 @@ class PagedAttention(nn.Module):
         self.n_heads, self.n_kv_heads, self.scale = n_heads, n_kv_heads, scale
         self.sliding_window = sliding_window
         self.has_sinks = sinks is not None  # the sinks stay a parameter of `inner`
+        # Plain attributes, not entries of the module tree: the stage's switch (`compiled.attach`)
+        # and the projections through mx.compile, taken while it is on.
+        object.__setattr__(self, "switch", CompileSwitch())
+        object.__setattr__(self, "_compiled_qkv", mx.compile(self._qkv))
+        object.__setattr__(self, "_compiled_out", mx.compile(self._out))
 
     def __call__(self, x: mx.array, mask=None, cache: LayerContext = None) -> mx.array:
+        on = self.switch.on
+        q, k, v = (self._compiled_qkv if on else self._qkv)(x, cache.batch.positions)
+        return (self._compiled_out if on else self._out)(self.attend_prepared(q, k, v, cache))
+
+    def _qkv(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         a = self.inner
-        out = self.attend(a.q_proj(x), a.k_proj(x), a.v_proj(x), cache)
-        return a.o_proj(out.reshape(1, x.shape[1], -1))  # x is [1, total_q, hidden]: one packed row
+        return self.prepare(a.q_proj(x), a.k_proj(x), a.v_proj(x), positions)
+
+    def _out(self, attended: mx.array) -> mx.array:
+        return self.inner.o_proj(attended.reshape(1, attended.shape[0], -1))  # one packed row, as x came
 
     def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: LayerContext) -> mx.array:
         """The packed batch's projected queries, keys and values -> [total_q, heads, head_dim]:
         norms, RoPE, K/V into the pool, paged attention over it."""
+        return self.attend_prepared(*self.prepare(q, k, v, cache.batch.positions), cache)
+
+    def prepare(self, q: mx.array, k: mx.array, v: mx.array, positions: mx.array):
+        """Projections -> per-head queries, keys and values, normed and roped."""
         a = self.inner
-        batch = cache.batch
-        tokens = batch.positions.shape[0]
+        tokens = positions.shape[0]
         q = q.reshape(tokens, self.n_heads, -1)
         k = k.reshape(tokens, self.n_kv_heads, -1)
         v = v.reshape(tokens, self.n_kv_heads, -1)
@@ -51,7 +67,11 @@ class PagedAttention(nn.Module):
             q = a.q_norm(q)
         if hasattr(a, "k_norm"):
             k = a.k_norm(k)
-        q, k = _rope(a.rope, q, batch.positions), _rope(a.rope, k, batch.positions)
+        return _rope(a.rope, q, positions), _rope(a.rope, k, positions), v
+
+    def attend_prepared(self, q: mx.array, k: mx.array, v: mx.array, cache: LayerContext) -> mx.array:
+        """K/V into the pool, paged attention over it."""
+        a = self.inner
         cache.pool.write(cache.layer_index, cache.slots, k, v)
         k_pool, v_pool = cache.pool.layer(cache.layer_index)
         sinks = a.sinks if self.has_sinks else None

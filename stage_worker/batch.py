@@ -64,6 +64,11 @@ class StepBatch:
     prompt_rows: list[PromptRows]
     lora_slots: "np.ndarray | None" = None  # [total_q] each token's LoRA slot (None: no adapter this step)
 
+    @property
+    def is_decode(self) -> bool:
+        """One token per request: a step whose shapes recur from step to step."""
+        return len(self.num_tokens) == self.token_ids.shape[0]
+
 
 def build_batch(table: RequestTable, scheduled, block_size: int, with_state: bool = False) -> StepBatch:
     """with_state: the stage has recurrent layers (each group then gets its StateRows)."""

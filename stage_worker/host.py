@@ -32,7 +32,11 @@ from metal_cluster.stage_worker.shard import load_shard
 # (scores, their softmax, a mask, a cast): the most the activation fit lets grow with n^2.
 SCORE_ARRAYS = 8
 # The largest warm-up prefill a stage runs at start; larger --max-num-batched-tokens are extrapolated.
+# On the CPU a 2048-token warm-up alone takes seconds; on a GPU a prefill of vLLM's default batch
+# (8192 tokens) takes well under one, so there the peak is measured at the batch itself, as vLLM's
+# own profile run does (a fit from small prefills read 77 GiB for 8192 tokens of Qwen3-8B on CUDA).
 WARM_UP_TOKENS = 256
+GPU_WARM_UP_TOKENS = 16384
 
 
 class StageStateError(RuntimeError):
@@ -87,7 +91,7 @@ class StageHost:
                 if req.activation_bytes_known > 0:  # a re-plan: this worker measured it for the last plan
                     activation = req.activation_bytes_known
                 else:
-                    self.phase = f"warming up ({min(req.max_num_batched_tokens, WARM_UP_TOKENS)}-token prefill)"
+                    self.phase = f"warming up ({min(req.max_num_batched_tokens, warm_up_limit())}-token prefill)"
                     activation = self._activation_peak(req.max_num_batched_tokens)
                 warmed = time.perf_counter()
             finally:
@@ -254,7 +258,7 @@ class StageHost:
         return KVPool.allocate(self.shard.caches, num_blocks, self.block_size, self.dtype, layout)
 
     def _activation_peak(self, num_tokens: int) -> int:
-        """Activation bytes of a num_tokens prefill. Past WARM_UP_TOKENS, two small prefills fit
+        """Activation bytes of a num_tokens prefill. Past `warm_up_limit()`, two smaller prefills fit
         a*n + c*n^2 (linear layers, and attention scores where attention materialises them) and the
         fit is read at num_tokens: on the CPU a 2048-token warm-up cost ~16x a 256-token one and
         the fit lands within 1% of it (SmolLM2-135M). The larger of fit and measurement counts.
@@ -262,10 +266,11 @@ class StageHost:
         The quadratic term is capped at what attention can materialise, one layer at a time: a few
         float32 score arrays per head (SCORE_ARRAYS). On CUDA the two small prefills differ by more
         than their work (MLX's memory pool grows in steps), and an uncapped fit read 351 GiB of
-        activations for an 8192-token batch of Qwen3-8B."""
-        if num_tokens <= WARM_UP_TOKENS:
+        activations for an 8192-token batch of Qwen3-8B: there it is measured up to 16384 tokens."""
+        limit = warm_up_limit()
+        if num_tokens <= limit:
             return self._measure_activation_peak(num_tokens)
-        n1, n2 = WARM_UP_TOKENS // 2, WARM_UP_TOKENS
+        n1, n2 = limit // 2, limit
         p1, p2 = self._measure_activation_peak(n1), self._measure_activation_peak(n2)
         heads = self.shard.config.get("num_attention_heads", 1)
         c = min(max(0.0, (p2 - 2 * p1) / (n2 * n2 - 2 * n1 * n1)), SCORE_ARRAYS * 4 * heads)
@@ -289,6 +294,11 @@ class StageHost:
         del runner
         mx.clear_cache()
         return peak
+
+
+def warm_up_limit() -> int:
+    """The largest prefill this device measures rather than extrapolates."""
+    return GPU_WARM_UP_TOKENS if mx.default_device().type == mx.DeviceType.gpu else WARM_UP_TOKENS
 
 
 def machine_id() -> str:

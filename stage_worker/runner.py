@@ -6,6 +6,7 @@ tokens then stay on the device (`DeviceTokens`) and the next step embeds them fr
 host can build step n+1 while the device still runs step n; only token ids ever reach the host.
 """
 
+import os
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -20,6 +21,9 @@ from metal_cluster.stage_worker.request_table import PENDING, RequestTable, Requ
 from metal_cluster.stage_worker.sampler import (Sampled, SampleRow, draw_key, gather_logprobs, log_softmax,
                                                 needs_history, sample)
 from metal_cluster.stage_worker.shard import ModelShard
+
+# Decode steps run the layers' pure parts through mx.compile (`compiled.py`); 0 turns that off.
+COMPILE = os.environ.get("METAL_CLUSTER_COMPILE", "1") != "0"
 
 
 @dataclass
@@ -269,11 +273,13 @@ class StageRunner:
             h = hidden_in
         h = h[None]
         self.lora.activate(batch.lora_slots)  # read by the adapted modules while the graph is built
+        self.shard.compile_switch.on = COMPILE and batch.lora_slots is None and batch.is_decode
         try:
             for i, layer in enumerate(self.shard.layers):
                 h = layer(h, None, LayerContext(batch, self.pool, i))
         finally:
             self.lora.activate(None)
+            self.shard.compile_switch.on = False
         return h[0]
 
 

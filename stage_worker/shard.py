@@ -7,13 +7,14 @@ anything is evaluated, so their tensors are never read. The shard is cast to its
 """
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import _get_classes, load_model
 
-from metal_cluster.stage_worker import dtypes
+from metal_cluster.stage_worker import compiled, dtypes
+from metal_cluster.stage_worker.compiled import CompileSwitch
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.families import Family, LayerCache, family_of
 from metal_cluster.stage_worker.model_source import ModelSource
@@ -29,6 +30,8 @@ class ModelShard:
     family: Family
     caches: list[LayerCache]  # what each of this stage's layers keeps in the paged pool
     dtype: mx.Dtype = mx.float32  # what this stage computes in: activations, KV pool, hidden states
+    # Whether the step being built runs the layers' pure parts through mx.compile (`compiled.py`).
+    compile_switch: CompileSwitch = field(default_factory=CompileSwitch)
 
     @property
     def is_first(self) -> bool:
@@ -67,10 +70,12 @@ def load_shard(source: ModelSource, start: int = 0, end: int | None = None,
     dtypes.settle(model, dtype)
     mx.eval(model.parameters())
     caches = family.layer_caches(config)[start:end]
+    switch = CompileSwitch()
     for layer, cache in zip(family.inner(model).layers, caches):
         family.wrap_layer(layer, cache)
+        compiled.attach(layer, switch)
     return ModelShard(model=model, config=config, start=start, end=end, num_layers=num_layers, family=family,
-                      caches=caches, dtype=dtype)
+                      caches=caches, dtype=dtype, compile_switch=switch)
 
 
 def _load_folder_model(source: ModelSource) -> nn.Module:

@@ -66,7 +66,17 @@ def expected_bytes_per_block(folder, layers: int, itemsize: int) -> int:
     if config.get("kv_lora_rank"):  # MLA: one latent entry per token and layer
         return layers * BLOCK_SIZE * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * itemsize
     kv_heads, head_dim = Family.kv_geometry(config)
-    return 2 * layers * BLOCK_SIZE * kv_heads * head_dim * itemsize  # K and V
+    attention = 2 * BLOCK_SIZE * kv_heads * head_dim * itemsize  # K and V
+    if not config.get("linear_num_value_heads"):
+        return layers * attention
+    # Gated DeltaNet layers (all but every full_attention_interval-th): one state per block id, its
+    # convolution window in the compute dtype and its recurrent state in float32.
+    recurrent = sum((i + 1) % config["full_attention_interval"] != 0 for i in range(layers))
+    key_dim = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    value_dim = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+    conv = (config["linear_conv_kernel_dim"] - 1) * (2 * key_dim + value_dim) * itemsize
+    state = value_dim * config["linear_key_head_dim"] * 4
+    return (layers - recurrent) * attention + recurrent * (conv + state)
 
 
 def start_stage(folder) -> tuple[StageHost, pb.AssignResponse]:
@@ -204,7 +214,11 @@ def assert_stage_computes_in(host, assigned, folder, dtype):
     assert assigned.dtype == name and host.dtype == dtype
     assert {str(v.dtype) for _, v in tree_flatten(host.shard.model.parameters())} == {str(dtype)}
     pool = host.runner.pool
-    assert {a.dtype for a in pool.arrays} == {dtype}
+    # A recurrent layer's state is float32, as mlx-lm keeps it; its convolution window and all K/V
+    # are in the compute dtype.
+    computed = [k for k in pool.keys] + [v for v, state in zip(pool.values, pool.is_state) if v is not None and not state]
+    assert {a.dtype for a in computed} == {dtype}
+    assert {v.dtype for v, state in zip(pool.values, pool.is_state) if state} <= {mx.float32}
     assert assigned.bytes_per_block == expected_bytes_per_block(folder, num_layers(folder), dtype.size)
     assert host.health().kv_dtype == name
 

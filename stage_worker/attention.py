@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from metal_cluster.kernels import paged_attention
-from metal_cluster.stage_worker.compiled import CompileSwitch
+from metal_cluster.stage_worker.compiled import CompileSwitch, Traced
 
 
 class LayerContext:
@@ -34,15 +34,14 @@ class PagedAttention(nn.Module):
         self.sliding_window = sliding_window
         self.has_sinks = sinks is not None  # the sinks stay a parameter of `inner`
         # Plain attributes, not entries of the module tree: the stage's switch (`compiled.attach`)
-        # and the projections through mx.compile, taken while it is on.
+        # and the parts around attention, through mx.compile while it is on.
         object.__setattr__(self, "switch", CompileSwitch())
-        object.__setattr__(self, "_compiled_qkv", mx.compile(self._qkv))
-        object.__setattr__(self, "_compiled_out", mx.compile(self._out))
+        object.__setattr__(self, "traced_qkv", Traced(self._qkv, self))
+        object.__setattr__(self, "traced_out", Traced(self._out, self))
 
     def __call__(self, x: mx.array, mask=None, cache: LayerContext = None) -> mx.array:
-        on = self.switch.on
-        q, k, v = (self._compiled_qkv if on else self._qkv)(x, cache.batch.positions)
-        return (self._compiled_out if on else self._out)(self.attend_prepared(q, k, v, cache))
+        q, k, v = self.traced_qkv(x, cache.batch.positions)
+        return self.traced_out(self.attend_prepared(q, k, v, cache))
 
     def _qkv(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         a = self.inner

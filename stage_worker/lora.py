@@ -19,6 +19,7 @@ import mlx.nn as nn
 import numpy as np
 
 from metal_cluster.proto import pb
+from metal_cluster.stage_worker.compiled import CompileSwitch
 from metal_cluster.stage_worker.request_table import StepError
 
 
@@ -70,8 +71,13 @@ class SlotLoRALinear(nn.Module):
 
 
 class LoRABank:
-    def __init__(self, layers: list[nn.Module], start: int, dtype: mx.Dtype = mx.float32):
+    def __init__(self, layers: list[nn.Module], start: int, dtype: mx.Dtype = mx.float32,
+                 switch: CompileSwitch | None = None):
         self.layers, self.start, self.dtype = layers, start, dtype
+        # The stage's compiled decode path: a traced module reads the step's slots as inputs of its
+        # call (`step_inputs`, `_bind`), and its traces are rebuilt when the stacks change.
+        self.switch = switch or CompileSwitch()
+        self.switch.bind = self._bind
         self.adapters: dict[int, HostAdapter] = {}
         self.max_loras = self.max_rank = 0
         self.resident: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, least recently used first
@@ -146,6 +152,20 @@ class LoRABank:
             columns = np.arange(self.max_loras * self.max_rank) // self.max_rank + 1  # the slot of each column
             state.token_mask = mx.array((columns[None, :] == slots[:, None]).astype(np.float32)).astype(self.dtype)
 
+    def step_inputs(self) -> tuple:
+        """The step's slots as arrays, for the compiled path (() when no adapter runs)."""
+        state = self.state
+        if state.token_slots is None:
+            return ()
+        return (state.token_slots, state.token_mask) if state.dense else (state.token_slots,)
+
+    def _bind(self, inputs: tuple) -> tuple:
+        state = self.state
+        previous = self.step_inputs()
+        state.token_slots = inputs[0] if inputs else None
+        state.token_mask = inputs[1] if len(inputs) > 1 else None
+        return previous
+
     # --- helpers ----------------------------------------------------------------------------------
     def _wrap(self, local: int, module: str) -> None:
         key = (local, module)
@@ -185,6 +205,7 @@ class LoRABank:
                 a = a[1:].transpose(1, 0, 2).reshape(a.shape[1], -1)
                 b = b[1:].reshape(-1, b.shape[2])
             self.state.stacks[key] = (mx.array(a).astype(self.dtype), mx.array(b).astype(self.dtype))
+        self.switch.generation += 1  # the traces captured the stacks they were built with
 
 
 def _parent(layer: nn.Module, module: str) -> tuple[nn.Module, str]:

@@ -68,7 +68,7 @@ class StageRunner:
         self.shard = shard
         self.pool = pool
         self.table = RequestTable(pool.num_blocks, pool.layout.windows, pool.block_size, pool.layout.recurrent)
-        self.lora = LoRABank(shard.layers, shard.start, shard.dtype)
+        self.lora = LoRABank(shard.layers, shard.start, shard.dtype, shard.compile_switch)
 
     def step(self, step: pb.StepRequest, hidden_in: mx.array | None = None) -> StageOutput:
         """prepare + run, waited for."""
@@ -273,13 +273,14 @@ class StageRunner:
             h = hidden_in
         h = h[None]
         self.lora.activate(batch.lora_slots)  # read by the adapted modules while the graph is built
-        self.shard.compile_switch.on = COMPILE and batch.lora_slots is None and batch.is_decode
+        switch = self.shard.compile_switch
+        switch.on, switch.inputs = COMPILE and batch.is_decode, self.lora.step_inputs()
         try:
             for i, layer in enumerate(self.shard.layers):
                 h = layer(h, None, LayerContext(batch, self.pool, i))
         finally:
             self.lora.activate(None)
-            self.shard.compile_switch.on = False
+            switch.on, switch.inputs = False, ()
         return h[0]
 
 

@@ -53,6 +53,9 @@ class ModelCost:
         quantization as they really are), KV per layer from its family; config arithmetic for GGUF."""
         from metal_cluster.stage_worker.checkpoint_sizes import weight_bytes
 
+        from metal_cluster.stage_worker.model_source import text_config
+
+        config = text_config(config)
         estimate = cls.from_config(config, on_gpu, activation_bytes)
         measured = weight_bytes(Path(folder), config, float32=not on_gpu) if folder else None
         if measured is None:
@@ -65,7 +68,9 @@ class ModelCost:
         """Estimated from config.json alone (dense layers). On GPUs (`on_gpu`: every host of the plan)
         weights cost what the checkpoint stores and KV its dtype; on a CPU everything is float32."""
         from metal_cluster.stage_worker.families import REGISTRY, Family
+        from metal_cluster.stage_worker.model_source import text_config
 
+        config = text_config(config)
         bytes_per_param, kv_bytes = (param_bytes(config), half_or_float32(config)) if on_gpu else (4, 4)
         hidden, inter = config["hidden_size"], config["intermediate_size"]
         heads = config["num_attention_heads"]

@@ -179,7 +179,7 @@ def _hf_qwen3_5_names(weights: dict) -> dict:
     [E, 2 * inter, hidden], experts.down_proj), and a vision tower and an MTP head beside them."""
     out = {}
     for name, w in weights.items():
-        name = name.replace("language_model.model.", "model.language_model.", 1).replace("language_model.", "", 1)
+        name = name.replace("language_model.model.", "model.language_model.", 1).replace("language_model.lm_head.", "lm_head.", 1)
         if name.endswith("conv1d.weight"):
             w = w.swapaxes(1, 2)
         elif name.endswith(_QWEN3_NEXT_OFFSET_NORMS):
@@ -193,7 +193,8 @@ def _hf_qwen3_5_names(weights: dict) -> dict:
         elif name.endswith(".down_proj.weight"):
             out[f"{name.split('.switch_mlp.')[0]}.experts.down_proj"] = w
     rng = np.random.default_rng(1)
-    for name, shape in (("model.visual.patch_embed.proj.weight", (32, 3, 2, 4, 4)), ("mtp.fc.weight", (64, 128))):
+    for name, shape in (("model.visual.patch_embed.proj.weight", (32, 3, 2, 4, 4)), ("mtp.fc.weight", (64, 128)),
+                        ("mtp.layers.0.mlp.down_proj.weight", (64, 32))):
         out[name] = mx.array(rng.standard_normal(shape, np.float32))
     return out
 

@@ -72,7 +72,7 @@ class ModelCost:
 
         config = text_config(config)
         bytes_per_param, kv_bytes = (param_bytes(config), half_or_float32(config)) if on_gpu else (4, 4)
-        hidden, inter = config["hidden_size"], config["intermediate_size"]
+        hidden, inter = config["hidden_size"], _mlp_width(config)
         heads = config["num_attention_heads"]
         kv_heads, head_dim = Family.kv_geometry(config)
         attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
@@ -87,6 +87,15 @@ class ModelCost:
         return cls([int(layer * bytes_per_param)] * config["num_hidden_layers"], kv,
                    embed_bytes=int(embed * bytes_per_param), head_bytes=int((embed + hidden) * bytes_per_param),
                    activation_bytes=activation_bytes, state_bytes=states)
+
+
+def _mlp_width(config: dict) -> int:
+    """The intermediate width a layer's MLP weights add up to: a MoE config without a dense
+    intermediate_size (Qwen3.5-MoE's) holds all its experts and a shared one."""
+    if config.get("intermediate_size"):
+        return config["intermediate_size"]
+    return (config.get("num_experts", 0) * config.get("moe_intermediate_size", 0)
+            + config.get("shared_expert_intermediate_size", 0))
 
 
 def half_or_float32(config: dict) -> int:

@@ -151,3 +151,5 @@ def test_a_vision_language_checkpoint_costs_its_text_model(tmp_path):
     assert cost.embed_bytes == stored("model.language_model.embed_tokens.")
     assert cost.head_bytes == stored("lm_head.") + stored("model.language_model.norm.")
     assert stored("mtp.") and stored("model.visual.")  # there, and not counted
+    estimate = ModelCost.from_config(resolve_model(folder).config)  # no intermediate_size: all experts and the shared one
+    assert 0.5 < sum(estimate.layer_bytes) / sum(cost.layer_bytes) < 2

@@ -202,7 +202,9 @@ def _hf_qwen3_5_names(weights: dict) -> dict:
 def _nest_text_config(family: str, flat: dict) -> dict:
     """config.json of a Qwen3.5 checkpoint: the text model's under text_config (RoPE from its
     rope_parameters alone), a small vision_config, and what the top level repeats."""
-    text = {k: v for k, v in flat.items() if k not in ("architectures", "rope_theta", "rope_scaling")}
+    # Qwen3.5-MoE's text config has no dense intermediate_size (all its layers are MoE).
+    dropped = ("architectures", "rope_theta", "rope_scaling") + (("intermediate_size",) if "num_experts" in flat else ())
+    text = {k: v for k, v in flat.items() if k not in dropped}
     text["model_type"] = f"{family}_text"
     vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
               "temporal_patch_size": 2, "out_hidden_size": flat["hidden_size"], "num_position_embeddings": 64}

@@ -52,7 +52,6 @@ class ModelCost:
         """Weights per layer from the checkpoint's safetensors headers (experts, dense layers and
         quantization as they really are), KV per layer from its family; config arithmetic for GGUF."""
         from metal_cluster.stage_worker.checkpoint_sizes import weight_bytes
-
         from metal_cluster.stage_worker.model_source import text_config
 
         config = text_config(config)

@@ -4,7 +4,7 @@ attention and state pools, with two differences mlx-lm's qwen3_5 module has.
 - The language model sits inside a vision-language checkpoint: its config under `text_config`
   (`model_source.text_config` lays it over the top level), its modules under
   `model.language_model` (mlx-lm's Model wraps a TextModel as `language_model`; its sanitize drops
-  the vision tower and the multi-token-prediction head, as `manifest.text_tensor_name` does). A
+  the vision tower and the multi-token-prediction head, as `model_source.text_tensor_name` does). A
   stage keeps the TextModel alone.
 - The Gated DeltaNet's projections are kept apart: in_proj_qkv (the convolution's input, already in
   q, k, v order), in_proj_z, in_proj_b, in_proj_a.

@@ -41,6 +41,7 @@ from metal_cluster.coordinator.step_translation import StepTranslator, to_runner
 from metal_cluster.stage_worker.dtypes import from_name
 from metal_cluster.stage_worker.families import family_of
 from metal_cluster.stage_worker.memory import KVBudget, MemoryBudgetError
+from metal_cluster.stage_worker.model_source import text_config
 from metal_cluster.stage_worker.paged_kv import request_bytes
 
 # A child of vLLM's logger, so our lines come out with the engine's own (same format, same process tag).
@@ -84,7 +85,7 @@ class ClusterExecutor(Executor):
         self.pipeline = Pipeline([self._stage(a) for a in self.addresses])
         self._refuse_unservable()
         self._align_block_size()
-        num_layers = self.model_config.hf_config.num_hidden_layers
+        num_layers = self._model_json["num_hidden_layers"]
         planned = os.environ.get(LAYERS_ENV)
         self.ranges = ([tuple(int(x) for x in r.split("-")) for r in planned.split(",")] if planned
                        else even_split(num_layers, len(self.pipeline)))
@@ -122,8 +123,8 @@ class ClusterExecutor(Executor):
 
     @cached_property
     def _model_json(self) -> dict:
-        """The model folder's config.json, as the stages' families read it."""
-        return json.loads((Path(self.model_config.model) / "config.json").read_text())
+        """The model folder's config.json, as the stages' families read it (its text model's)."""
+        return text_config(json.loads((Path(self.model_config.model) / "config.json").read_text()))
 
     def _refuse_unservable(self) -> None:
         gap = family_of(self._model_json, self.model_config.model).serving_gap
@@ -455,7 +456,7 @@ class ClusterExecutor(Executor):
 
     def _settings(self) -> replan.Settings:
         return replan.Settings(
-            model=self.model_config.model, config=self.model_config.hf_config.to_dict(),
+            model=self.model_config.model, config=text_config(self.model_config.hf_config.to_dict()),
             block_size=self.cache_config.block_size,
             max_num_batched_tokens=self.scheduler_config.max_num_batched_tokens,
             utilization=self.cache_config.gpu_memory_utilization, max_model_len=self.model_config.max_model_len,

@@ -52,7 +52,9 @@ class ModelCost:
         """Weights per layer from the checkpoint's safetensors headers (experts, dense layers and
         quantization as they really are), KV per layer from its family; config arithmetic for GGUF."""
         from metal_cluster.stage_worker.checkpoint_sizes import weight_bytes
+        from metal_cluster.stage_worker.model_source import text_config
 
+        config = text_config(config)
         estimate = cls.from_config(config, on_gpu, activation_bytes)
         measured = weight_bytes(Path(folder), config, float32=not on_gpu) if folder else None
         if measured is None:
@@ -65,9 +67,11 @@ class ModelCost:
         """Estimated from config.json alone (dense layers). On GPUs (`on_gpu`: every host of the plan)
         weights cost what the checkpoint stores and KV its dtype; on a CPU everything is float32."""
         from metal_cluster.stage_worker.families import REGISTRY, Family
+        from metal_cluster.stage_worker.model_source import text_config
 
+        config = text_config(config)
         bytes_per_param, kv_bytes = (param_bytes(config), half_or_float32(config)) if on_gpu else (4, 4)
-        hidden, inter = config["hidden_size"], config["intermediate_size"]
+        hidden, inter = config["hidden_size"], _mlp_width(config)
         heads = config["num_attention_heads"]
         kv_heads, head_dim = Family.kv_geometry(config)
         attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2
@@ -82,6 +86,15 @@ class ModelCost:
         return cls([int(layer * bytes_per_param)] * config["num_hidden_layers"], kv,
                    embed_bytes=int(embed * bytes_per_param), head_bytes=int((embed + hidden) * bytes_per_param),
                    activation_bytes=activation_bytes, state_bytes=states)
+
+
+def _mlp_width(config: dict) -> int:
+    """The intermediate width a layer's MLP weights add up to: a MoE config without a dense
+    intermediate_size (Qwen3.5-MoE's) holds all its experts and a shared one."""
+    if config.get("intermediate_size"):
+        return config["intermediate_size"]
+    return (config.get("num_experts", 0) * config.get("moe_intermediate_size", 0)
+            + config.get("shared_expert_intermediate_size", 0))
 
 
 def half_or_float32(config: dict) -> int:

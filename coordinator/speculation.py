@@ -8,6 +8,8 @@ Served: `ngram` (prompt lookup; drafts made in the scheduler, verified on the la
 import json
 from pathlib import Path
 
+from metal_cluster.stage_worker.model_source import text_config
+
 FLAG = "--speculative-config"
 SERVED = ("ngram",)
 
@@ -57,7 +59,7 @@ def _method(config: dict) -> str | None:
 
 def _config(folder: Path) -> dict:
     try:
-        return json.loads((Path(folder) / "config.json").read_text())
+        return text_config(json.loads((Path(folder) / "config.json").read_text()))
     except (OSError, ValueError):
         return {}
 

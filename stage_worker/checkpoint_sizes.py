@@ -12,6 +12,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from metal_cluster.stage_worker.model_source import text_tensor_name
+
 _ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "U32": 4, "I16": 2, "U16": 2,
              "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -62,7 +64,10 @@ def weight_bytes(folder: Path, config: dict, float32: bool) -> WeightBytes | Non
     bits = (config.get("quantization") or {}).get("bits")
     layers = [0] * config["num_hidden_layers"]
     embed = head = 0
-    for name, t in tensors.items():
+    for stored_name, t in tensors.items():
+        name = text_tensor_name(stored_name)
+        if name is None:  # a vision tower or an MTP head: no stage holds it
+            continue
         n = _held_bytes(name, t, float32, bits)
         if (m := _LAYER.search(name)) is not None:
             i = int(m.group(1))
@@ -72,7 +77,7 @@ def weight_bytes(folder: Path, config: dict, float32: bool) -> WeightBytes | Non
             embed += n
         else:
             head += n
-    tied = not any(name.startswith("lm_head") for name in tensors)
+    tied = not any((text_tensor_name(name) or "").startswith("lm_head") for name in tensors)
     return WeightBytes(layers, embed, head + (embed if tied else 0), tied)
 
 

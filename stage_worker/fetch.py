@@ -26,7 +26,7 @@ from metal_cluster.proto import cluster_pb2_grpc as pb_grpc
 from metal_cluster.stage_worker import chunk_wire, cluster_tls
 from metal_cluster.stage_worker import manifest as manifests
 from metal_cluster.stage_worker.errors import ModelLoadError, NoRoomError
-from metal_cluster.stage_worker.model_source import cache_dir
+from metal_cluster.stage_worker.model_source import cache_dir, text_config
 from metal_cluster.stage_worker.weights_cache import BlobStore
 
 log = logging.getLogger("metal_cluster.worker")
@@ -148,7 +148,7 @@ class _Fetch:
         weights = [f for f in self.manifest.files if f.format != "other"]
         self._get({f.path: (f, list(f.pieces)) for f in small}, "config and tokenizer files")
         self._link(small)  # config.json is read from the folder to pick the tensors
-        config = json.loads((self.folder / "config.json").read_text())
+        config = text_config(json.loads((self.folder / "config.json").read_text()))
         num_layers = config["num_hidden_layers"]
         if not 0 <= start < end <= num_layers:
             raise ModelLoadError(f"layer range [{start}, {end}) is outside the model's {num_layers} layers")
@@ -272,8 +272,12 @@ def ties_embeddings(config: dict) -> bool:
     """Whether the model's head is its embedding matrix, as the mlx-lm model class decides."""
     from mlx_lm.utils import _get_classes
 
-    _, args_class = _get_classes(config)
-    return bool(getattr(args_class.from_dict(config), "tie_word_embeddings", False))
+    from metal_cluster.stage_worker.families import family_of
+
+    model_class, args_class = _get_classes(config)
+    # Built with lazy weights (nothing is allocated): whether its text model has an lm_head of its own.
+    model = model_class(args_class.from_dict(config))
+    return "lm_head" not in family_of(config, "config.json").language_model(model)
 
 
 def wanted_pieces(entry: pb.ModelFile, kept: set[str]) -> list[pb.Piece]:

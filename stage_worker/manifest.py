@@ -16,7 +16,7 @@ from pathlib import Path
 from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.stage_worker.checkpoint_sizes import read_header
 from metal_cluster.stage_worker.errors import ModelLoadError
-from metal_cluster.stage_worker.model_source import ModelSource, cache_dir
+from metal_cluster.stage_worker.model_source import ModelSource, cache_dir, text_tensor_name
 
 PIECE_BYTES = 64 * 2**20  # resume and re-verify granularity; a few per big tensor
 READ_BYTES = 8 * 2**20
@@ -160,6 +160,9 @@ def is_embedding(name: str) -> bool:
 def stage_keeps(name: str, start: int, end: int, num_layers: int, tied: bool) -> bool:
     """Whether the stage running layers [start, end) reads this tensor: its layers, the embedding on
     the first stage (and on the last when the head is tied to it), the rest (norm, head) on the last."""
+    name = text_tensor_name(name)
+    if name is None:
+        return False
     layer = layer_of(name)
     if layer is not None:
         return start <= layer < end

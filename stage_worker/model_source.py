@@ -28,7 +28,37 @@ class ModelSource:
 
     @property
     def config(self) -> dict:
-        return json.loads((self.folder / "config.json").read_text())
+        """config.json as the language model reads it (`text_config`)."""
+        return text_config(json.loads((self.folder / "config.json").read_text()))
+
+
+def text_config(config: dict) -> dict:
+    """The language model's config. A checkpoint with a vision tower (Qwen3.5) keeps it under
+    `text_config`; mlx-lm builds its text model from that alone. Its keys are laid over the top
+    level's, so everything that reads a layer count or head sizes finds them; model_type and
+    architectures stay the checkpoint's (they name the family and vLLM's class), and `text_config`
+    stays, so mlx-lm's ModelArgs still read it (the result is a fixed point)."""
+    inner = config.get("text_config")
+    if not isinstance(inner, dict):
+        return config
+    return {**config, **inner, **{k: config[k] for k in ("model_type", "architectures") if k in config}}
+
+
+# Tensors no stage reads: mlx-lm's sanitize drops a vision tower and a multi-token-prediction head.
+_UNREAD = ("model.visual.", "vision_tower.", "mtp.")
+_WRAPPED = (("model.language_model.", "model."), ("language_model.", ""))
+
+
+def text_tensor_name(name: str) -> str | None:
+    """A checkpoint tensor's name as mlx-lm's text model has it, None for one no stage reads. A
+    vision-language checkpoint (Qwen3.5) keeps its language model under model.language_model
+    (language_model. in mlx-lm's own conversions)."""
+    if name.startswith(_UNREAD):
+        return None
+    for prefix, text in _WRAPPED:
+        if name.startswith(prefix):
+            return text + name[len(prefix):]
+    return name
 
 
 def cache_dir() -> Path:

@@ -17,7 +17,7 @@ from metal_cluster.stage_worker import compiled, dtypes
 from metal_cluster.stage_worker.compiled import CompileSwitch
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.families import Family, LayerCache, family_of
-from metal_cluster.stage_worker.model_source import ModelSource
+from metal_cluster.stage_worker.model_source import ModelSource, text_tensor_name
 
 
 @dataclass
@@ -63,6 +63,7 @@ def load_shard(source: ModelSource, start: int = 0, end: int | None = None,
         raise ModelLoadError(f"layer range [{start}, {end}) is outside the model's {num_layers} layers")
     gpu = dtypes.on_gpu()
     model = _load_gguf_model(source, config, start, end, gpu) if source.gguf else _load_folder_model(source)
+    model = family.language_model(model)
     _keep_only(family.inner(model), model, start, end, num_layers)
     if fetched is not None and not source.gguf:
         _check_fetched(model, start, fetched, source.folder)
@@ -156,6 +157,7 @@ def _check_fetched(model: nn.Module, start: int, fetched: set[str], folder) -> N
     has no name of its own in the checkpoint: its layer's tensors, fetched whole, stand for it."""
     from mlx.utils import tree_flatten
 
+    fetched = {n for n in map(text_tensor_name, fetched) if n is not None}  # the names the stage's model has
     fetched_layers = {m.group(0) for name in fetched if (m := _LAYER_PREFIX.match(name))}
     missing = [name for name in (_global_name(n, start) for n, _ in tree_flatten(model.parameters()))
                if name not in fetched and not ((m := _LAYER_PREFIX.match(name)) and m.group(0) in fetched_layers)]

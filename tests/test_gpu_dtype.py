@@ -28,6 +28,7 @@ from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.stage_worker.auth import TOKEN_ENV
 from metal_cluster.stage_worker.host import StageHost
 from metal_cluster.stage_worker.families import Family
+from metal_cluster.stage_worker.model_source import resolve_model
 from references import mlx_lm_greedy
 from scheduler_double import SchedulerDouble
 
@@ -58,11 +59,11 @@ CHUNK = 16  # the longer prompts are prefilled in chunks beside the others' deco
 # --- building and driving stages as production does --------------------------------------------------
 
 def num_layers(folder) -> int:
-    return json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+    return resolve_model(folder).config["num_hidden_layers"]  # the text model's (Qwen3.5: text_config)
 
 
 def expected_bytes_per_block(folder, layers: int, itemsize: int) -> int:
-    config = json.loads((folder / "config.json").read_text())
+    config = resolve_model(folder).config
     if config.get("kv_lora_rank"):  # MLA: one latent entry per token and layer
         return layers * BLOCK_SIZE * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * itemsize
     kv_heads, head_dim = Family.kv_geometry(config)
@@ -297,7 +298,7 @@ def test_two_stage_pipeline_sends_bf16_and_matches_one_stage(tmp_path_factory):
     assert [h.kv_dtype for h in after] == ["bfloat16", "bfloat16"]
     # Same layers, same dtype, the hidden states handed over bit for bit: the same tokens.
     assert piped == single
-    hidden_size = json.loads((folder / "config.json").read_text())["hidden_size"]
+    hidden_size = resolve_model(folder).config["hidden_size"]
     assert after[0].ring_bytes_sent == computed * hidden_size * 2  # every computed token's hidden state, 2 bytes each
     assert after[1].ring_bytes_sent == 0  # the last stage sends nothing on
 

@@ -108,18 +108,20 @@ def test_moe_layers_cost_what_their_headers_say(tmp_path):
         assert sum(cost.layer_bytes[s.start:s.end]) + fixed <= 0.5 * host.memory_total
 
 
-def test_recurrent_layers_cost_one_state_whatever_the_context(tmp_path):
-    """Qwen3-Next: its Gated DeltaNet layers hold no K/V but one state per request, which a
-    longer context does not grow; its attention layers hold K/V per token."""
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_recurrent_layers_cost_one_state_whatever_the_context(family, tmp_path):
+    """Qwen3-Next and Qwen3.5 (its config under text_config): Gated DeltaNet layers hold no K/V but
+    one state per request, which a longer context does not grow; attention layers hold K/V per token."""
     import json
 
     import tiny_models
 
     from metal_cluster.stage_worker.families import REGISTRY
+    from metal_cluster.stage_worker.model_source import text_config
 
-    config = json.loads((tiny_models.build_tiny_model("qwen3_next", tmp_path, num_layers=6) / "config.json").read_text())
+    config = json.loads((tiny_models.build_tiny_model(family, tmp_path, num_layers=6) / "config.json").read_text())
     cost = ModelCost.from_config(config)
-    recurrent = [i for i, c in enumerate(REGISTRY["qwen3_next"].layer_caches(config)) if c.state_shapes]
+    recurrent = [i for i, c in enumerate(REGISTRY[family].layer_caches(text_config(config))) if c.state_shapes]
     assert recurrent and all(cost.state_bytes[i] > 0 and cost.kv_bytes_per_token[i] == 0 for i in recurrent)
     assert all(cost.state_bytes[i] == 0 and cost.kv_bytes_per_token[i] > 0 for i in range(6) if i not in recurrent)
     need = sum(cost.layer_bytes) + sum(cost.state_bytes) + 100 * sum(cost.kv_bytes_per_token)
@@ -128,3 +130,26 @@ def test_recurrent_layers_cost_one_state_whatever_the_context(tmp_path):
     assert plan([roomy], cost, 0.5, 100)[0].end == 6
     with pytest.raises(PlacementError):  # the states are counted: without them it would fit
         plan([tight], cost, 0.5, 100)
+
+
+def test_a_vision_language_checkpoint_costs_its_text_model(tmp_path):
+    """Qwen3.5: the layers under model.language_model are counted per layer, the head at the top,
+    and neither the vision tower nor the MTP head (no stage holds them)."""
+    import tiny_models
+
+    from metal_cluster.stage_worker.checkpoint_sizes import read_headers
+    from metal_cluster.stage_worker.model_source import resolve_model
+
+    folder = tiny_models.build_tiny_model("qwen3_5_moe", tmp_path, num_layers=6)
+    cost = ModelCost.of_model(folder, resolve_model(folder).config)
+    tensors = read_headers(folder)
+
+    def stored(prefix):
+        return sum(t["data_offsets"][1] - t["data_offsets"][0] for n, t in tensors.items() if n.startswith(prefix))
+
+    assert cost.layer_bytes == [stored(f"model.language_model.layers.{i}.") for i in range(6)]
+    assert cost.embed_bytes == stored("model.language_model.embed_tokens.")
+    assert cost.head_bytes == stored("lm_head.") + stored("model.language_model.norm.")
+    assert stored("mtp.") and stored("model.visual.")  # there, and not counted
+    estimate = ModelCost.from_config(resolve_model(folder).config)  # no intermediate_size: all experts and the shared one
+    assert 0.5 < sum(estimate.layer_bytes) / sum(cost.layer_bytes) < 2

@@ -32,7 +32,10 @@ FAMILIES = ("llama", "qwen2", "qwen3")
 # Held to the same checks by their own suite (tests/test_families.py), not by every FAMILIES test.
 MORE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "gemma3_text", "deepseek_v3")
 # Gated DeltaNet layers with a state per request (tests/test_hybrid.py).
-HYBRID_FAMILIES = ("qwen3_next",)
+HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# Vision-language checkpoints: the text model's config under text_config, its tensors under
+# model.language_model, beside a vision tower and an MTP head that no stage reads.
+NESTED_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Not special (as in Qwen2.5): they must survive skip_special_tokens, because vLLM's hermes
@@ -53,15 +56,17 @@ QWEN_PRETOKENIZE_REGEX = (
 _ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
          "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
          "gpt_oss": "GptOssForCausalLM", "gemma3_text": "Gemma3ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-         "qwen3_next": "Qwen3NextForCausalLM"}
+         "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5": "Qwen3_5ForConditionalGeneration",
+         "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 # Llama is untied, the Qwens tied, so both lm_head paths are exercised by default.
 _TIED = {"llama": False, "qwen2": True, "qwen3": True, "qwen3_moe": False, "mixtral": False, "glm4_moe": True,
-         "gpt_oss": False, "gemma3_text": True, "deepseek_v3": False, "qwen3_next": False}
+         "gpt_oss": False, "gemma3_text": True, "deepseek_v3": False, "qwen3_next": False, "qwen3_5": True,
+         "qwen3_5_moe": False}
 # Checkpoint dtypes: config.json's torch_dtype name -> the MLX dtype the safetensors hold.
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 _ROPE_THETA = {"llama": 10000.0, "qwen2": 1000000.0, "qwen3": 1000000.0, "qwen3_moe": 1000000.0,
                "mixtral": 1000000.0, "glm4_moe": 1000000.0, "gpt_oss": 150000.0, "gemma3_text": 1000000.0,
-               "deepseek_v3": 10000.0, "qwen3_next": 1000000.0}
+               "deepseek_v3": 10000.0, "qwen3_next": 1000000.0, "qwen3_5": 1000000.0, "qwen3_5_moe": 1000000.0}
 # A window a few tokens long, so the tests' prompts reach past it.
 TINY_WINDOW = 8
 
@@ -101,6 +106,22 @@ def _family_config(family: str, num_layers: int, sliding_window: int | None) -> 
                     num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[0],
                     moe_intermediate_size=32, shared_expert_intermediate_size=32, norm_topk_prob=True,
                     partial_rotary_factor=0.5, attention_bias=False)
+    if family in NESTED_FAMILIES:
+        # Qwen3-Next's layer pattern (attention at 2 and 5 of six) and sizes; RoPE from
+        # rope_parameters with Qwen3.5's M-RoPE fields (8 rotary dims: 4 frequencies over 3 axes).
+        # qwen3_5 is dense; qwen3_5_moe's layers are all MoE (mlx-lm has no dense layers there).
+        linear = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+                      linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=3,
+                      layer_types=["full_attention" if (i + 1) % 3 == 0 else "linear_attention"
+                                   for i in range(num_layers)],
+                      attention_bias=False, attn_output_gate=True, mamba_ssm_dtype="float32",
+                      rope_parameters={"rope_type": "default", "rope_theta": _ROPE_THETA[family],
+                                       "partial_rotary_factor": 0.5, "mrope_section": [2, 1, 1],
+                                       "mrope_interleaved": True})
+        if family == "qwen3_5_moe":
+            linear.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=32, norm_topk_prob=True)
+        return linear
     if family == "deepseek_v3":
         # MLA with a low-rank query (q_lora_rank, as V3 and Kimi K2 have) and V3's YaRN scaling
         # (mscale_all_dim changes the softmax scale); transformers sets head_dim to the rope part.
@@ -121,6 +142,8 @@ _QWEN3_NEXT_OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernor
 def _hf_expert_names(family: str, weights: dict) -> dict:
     """mlx-lm stacks experts ([E, out, in]); a Hugging Face checkpoint stores one tensor per expert.
     The tiny MoE folders use the Hugging Face layout, so loading goes through mlx-lm's sanitize."""
+    if family in NESTED_FAMILIES:
+        return _hf_qwen3_5_names(weights)
     out = {}
     for name, w in weights.items():
         if family == "deepseek_v3" and name.endswith(".embed_q.weight"):
@@ -149,6 +172,47 @@ def _hf_expert_names(family: str, weights: dict) -> dict:
         for e in range(w.shape[0]):
             out[f"{prefix}.experts.{e}.{proj}.{param}"] = w[e]
     return out
+
+def _hf_qwen3_5_names(weights: dict) -> dict:
+    """Qwen3.5's Hugging Face layout: the text model under model.language_model, the head at the top,
+    conv1d and norms as for Qwen3-Next, each MoE layer's experts fused (experts.gate_up_proj
+    [E, 2 * inter, hidden], experts.down_proj), and a vision tower and an MTP head beside them."""
+    out = {}
+    for name, w in weights.items():
+        name = name.replace("language_model.model.", "model.language_model.", 1).replace("language_model.lm_head.", "lm_head.", 1)
+        if name.endswith("conv1d.weight"):
+            w = w.swapaxes(1, 2)
+        elif name.endswith(_QWEN3_NEXT_OFFSET_NORMS):
+            w = w - 1.0
+        if ".switch_mlp." not in name:
+            out[name] = w
+        elif name.endswith(".gate_proj.weight"):
+            prefix = name.split(".switch_mlp.")[0]
+            up = weights["language_model." + name.replace("model.language_model.", "model.").replace("gate_proj", "up_proj")]
+            out[f"{prefix}.experts.gate_up_proj"] = mx.concatenate([w, up], axis=1)
+        elif name.endswith(".down_proj.weight"):
+            out[f"{name.split('.switch_mlp.')[0]}.experts.down_proj"] = w
+    rng = np.random.default_rng(1)
+    for name, shape in (("model.visual.patch_embed.proj.weight", (32, 3, 2, 4, 4)), ("mtp.fc.weight", (64, 128)),
+                        ("mtp.layers.0.mlp.down_proj.weight", (64, 32))):
+        out[name] = mx.array(rng.standard_normal(shape, np.float32))
+    return out
+
+
+def _nest_text_config(family: str, flat: dict) -> dict:
+    """config.json of a Qwen3.5 checkpoint: the text model's under text_config (RoPE from its
+    rope_parameters alone), a small vision_config, and what the top level repeats."""
+    # Qwen3.5-MoE's text config has no dense intermediate_size (all its layers are MoE).
+    dropped = ("architectures", "rope_theta", "rope_scaling") + (("intermediate_size",) if "num_experts" in flat else ())
+    text = {k: v for k, v in flat.items() if k not in dropped}
+    text["model_type"] = f"{family}_text"
+    vision = {"depth": 1, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2, "patch_size": 4,
+              "temporal_patch_size": 2, "out_hidden_size": flat["hidden_size"], "num_position_embeddings": 64}
+    return {"architectures": flat["architectures"], "model_type": family, "text_config": text,
+            "vision_config": vision, "tie_word_embeddings": flat["tie_word_embeddings"],
+            "torch_dtype": flat["torch_dtype"], "bos_token_id": flat["bos_token_id"],
+            "eos_token_id": flat["eos_token_id"]}
+
 
 # Deterministic training text for the tokenizer. Mixed prose, numbers, code and JSON so the
 # merges cover what the tests send (chat turns, tool calls).
@@ -333,7 +397,7 @@ def _init_weights(model, seed: int, gain_of_one: float = 1.0) -> dict[str, mx.ar
             w = np.full(p.shape, gain_of_one, np.float32)
         elif name.endswith(".bias"):  # qwen2 q/k/v biases: small, so they matter but don't dominate
             w = 0.1 * rng.standard_normal(p.shape, np.float32)
-        elif "embed_tokens" in name or name == "lm_head.weight":
+        elif "embed_tokens" in name or name.endswith("lm_head.weight"):
             # std 1: each token's embedding is a clear direction in the residual stream, and the
             # logits (normed hidden . row) get std ~sqrt(hidden): top-1/top-2 gaps ~0.1-1 or more.
             # The untied head uses the same scale as the tied one.
@@ -382,6 +446,8 @@ def build_tiny_model(family: str, out_dir: Path, *, num_layers: int = 4, hidden_
         vocab_size=tok.get_vocab_size(with_added_tokens=True), bos_id=bos_id, eos_id=eos_id, dtype=dtype,
     )
     config.update(config_overrides or {})
+    if family in NESTED_FAMILIES:
+        config = _nest_text_config(family, config)
 
     # Parameter names and shapes come from mlx-lm's own model class, so they are exactly what
     # mlx_lm.utils.load expects (and, for these families, the Hugging Face names too).

@@ -8,10 +8,11 @@ from metal_cluster.stage_worker.families.dense import Llama, Qwen
 from metal_cluster.stage_worker.families.gemma3 import Gemma3
 from metal_cluster.stage_worker.families.gpt_oss import GptOss
 from metal_cluster.stage_worker.families.moe import Glm4Moe, Mixtral, Qwen3Moe
+from metal_cluster.stage_worker.families.qwen3_5 import Qwen3_5
 from metal_cluster.stage_worker.families.qwen3_next import Qwen3Next
 
 FAMILIES: tuple[Family, ...] = (Llama(), Qwen(), Qwen3Moe(), Mixtral(), Glm4Moe(), GptOss(), Gemma3(),
-                               DeepseekV3(), Qwen3Next())
+                               DeepseekV3(), Qwen3Next(), Qwen3_5())
 REGISTRY: dict[str, Family] = {t: f for f in FAMILIES for t in f.model_types}
 SUPPORTED_MODEL_TYPES = tuple(REGISTRY)
 

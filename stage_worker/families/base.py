@@ -82,6 +82,12 @@ class Family:
 
     # --- the model's ends ----------------------------------------------------------------------------
     @staticmethod
+    def language_model(model: nn.Module) -> nn.Module:
+        """The module of mlx-lm's model that a stage keeps: the model itself, or the text model a
+        vision-language model wraps (its `model` and `lm_head`)."""
+        return model
+
+    @staticmethod
     def inner(model: nn.Module) -> nn.Module:
         """The module holding embed_tokens, layers and norm."""
         return model.model

@@ -35,10 +35,14 @@ class Qwen3Next(Family):
 
     def wrap_layer(self, layer: nn.Module, cache: LayerCache) -> None:
         if cache.state_shapes:
-            layer.linear_attn = PagedGatedDeltaNet(layer.linear_attn)
+            layer.linear_attn = self.paged_recurrence(layer.linear_attn)
         else:
             a = layer.self_attn
             layer.self_attn = GatedPagedAttention(a, a.num_attention_heads, a.num_key_value_heads, a.scale)
+
+    @staticmethod
+    def paged_recurrence(linear_attn: nn.Module) -> nn.Module:
+        return PagedGatedDeltaNet(linear_attn)
 
 
 def is_recurrent(config: dict, layer: int) -> bool:
@@ -86,8 +90,7 @@ class PagedGatedDeltaNet(nn.Module):
         (mlx-lm loops over tokens in Python on every backend but Metal)."""
         a = self.inner
         B, S, _ = x.shape
-        q, k, v, z, b, gate = a.fix_query_key_value_ordering(a.in_proj_qkvz(x), a.in_proj_ba(x))
-        mixed = mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1)
+        mixed, z, b, gate = self.project(x)
         conv_input = mx.concatenate([conv.astype(x.dtype), mixed], axis=1)
         new_conv = conv_input[:, -(a.conv_kernel_size - 1):]
         conv_out = nn.silu(a.conv1d(conv_input))
@@ -97,3 +100,11 @@ class PagedGatedDeltaNet(nn.Module):
         q, k = normalize_qk(q, k, inv_scale=a.head_k_dim**-0.5, eps=1e-6)
         out, state = gated_delta(q, k, v, compute_g(a.A_log, gate, a.dt_bias), mx.sigmoid(b), recurrent)
         return a.out_proj(a.norm(out, z).reshape(B, S, -1)), new_conv, state
+
+    def project(self, x):
+        """x [B, S, hidden] -> the convolution's input (q, k, v side by side) [B, S, conv_dim], the
+        output gate z [B, S, Hv, Dv], and b and a [B, S, Hv] (beta's and the decay's inputs)."""
+        a = self.inner
+        B, S, _ = x.shape
+        q, k, v, z, b, gate = a.fix_query_key_value_ordering(a.in_proj_qkvz(x), a.in_proj_ba(x))
+        return mx.concatenate([q.reshape(B, S, -1), k.reshape(B, S, -1), v.reshape(B, S, -1)], axis=-1), z, b, gate

@@ -76,11 +76,13 @@ def test_pooled_equals_mlx_lm(llama_model, ranges):
     np.testing.assert_allclose(_run(runners, rest).pooled["c"], mlx_lm_pooled(ref, ids, "LAST"), atol=1e-5, rtol=0)
 
 
-def test_embeddings_over_two_stages(llama_model, tmp_path):
-    """The openai client's embeddings.create against a two-stage pooling server: vLLM's head
-    (L2-normalised) over the last stage's pooled vector, equal to mlx-lm's; too long is a 400."""
+@pytest.mark.parametrize("stages", [1, 2], ids=["one-stage", "two-stages"])
+def test_embeddings_server(llama_model, tmp_path, stages):
+    """The openai client's embeddings.create against a pooling server of one stage and of two:
+    vLLM's head (L2-normalised) over the last stage's pooled vector, equal to mlx-lm's; too long is
+    a 400."""
     ref, tokenizer = load(str(llama_model))
-    args = ["--runner", "pooling", "--convert", "embed", "-pp", "2", "--gpu-memory-utilization", "0.05",
+    args = ["--runner", "pooling", "--convert", "embed", "-pp", str(stages), "--gpu-memory-utilization", "0.05",
             "--max-model-len", "128", "--max-num-batched-tokens", "16", "--max-num-seqs", "8",
             "--served-model-name", "emb"]
     with running_server(llama_model, *args, log_path=tmp_path / "server.log") as url:

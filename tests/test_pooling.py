@@ -1,13 +1,17 @@
 """Pooling (vLLM's --runner pooling): the last stage returns the final-norm hidden states pooled, equal
-to mlx-lm's own forward pass pooled the same way (float32, 1e-5); through the API with two stages."""
+to mlx-lm's own forward pass pooled the same way (float32, 1e-5), through the API with one and two
+stages; a sequence classifier's head over them, through /v1/score and /v1/rerank."""
 
 import math
 
 import mlx.core as mx
 import numpy as np
+import httpx
 import openai
 import pytest
-from mlx_lm.utils import load
+import tiny_models
+from mlx_lm.utils import load, load_model
+from transformers import AutoTokenizer
 
 from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.stage_worker.model_source import resolve_model
@@ -95,3 +99,78 @@ def test_embeddings_server(llama_model, tmp_path, stages):
         with pytest.raises(openai.BadRequestError, match="maximum context length is 128"):
             client.embeddings.create(model="emb", input=[5] * 200)
         assert client.embeddings.create(model="emb", input="still serving").data[0].embedding
+        # vLLM's bi-encoder /v1/score: the cosine similarity of the two embeddings.
+        score = httpx.post(f"{url}/v1/score", json={"model": "emb", "queries": TEXTS[0], "documents": TEXTS[1]},
+                           timeout=120)
+        q, d = (mlx_lm_pooled(ref, tokenizer.encode(t), "LAST") for t in TEXTS[:2])
+        cosine = q @ d / (np.linalg.norm(q) * np.linalg.norm(d))
+        assert abs(score.json()["data"][0]["score"] - cosine) <= 1e-5, score.text
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory):
+    """A tiny random Qwen3ForSequenceClassification with one label (a cross-encoder reranker)."""
+    return tiny_models.build_tiny_classifier("qwen3", tmp_path_factory.mktemp("reranker"))
+
+
+def mlx_lm_score(folder, ids) -> float:
+    """mlx-lm's forward pass (the causal LM; strict=False leaves the score head out), LAST pooling,
+    the checkpoint's score head, and the sigmoid vLLM applies to one label's logit."""
+    model, _ = load_model(folder, strict=False)
+    weight = np.array(mx.load(str(folder / "model.safetensors"))["score.weight"])
+    logit = mlx_lm_pooled(model, ids, "LAST") @ weight.T
+    return float(1 / (1 + np.exp(-logit[0])))
+
+
+@pytest.mark.parametrize("ranges", [[(0, 4)], [(0, 2), (2, 4)]], ids=["one-stage", "two-stages"])
+def test_classifier_head_on_the_last_stage(reranker, ranges):
+    """A classify request's pooled output is the score head's logits over the LAST pooled vector,
+    beside an embedding request of the same prompt; only the last stage holds the head."""
+    model, _ = load_model(reranker, strict=False)
+    weight = np.array(mx.load(str(reranker / "model.safetensors"))["score.weight"])
+    runners = _runners(resolve_model(reranker), ranges)
+    assert [r.shard.classifies for r in runners] == [False] * (len(ranges) - 1) + [True]
+    ids = AutoTokenizer.from_pretrained(reranker).encode(TEXTS[1])
+    step = pb.StepRequest(version=PROTO_VERSION, step_id=0)
+    for i, classify in enumerate((True, False)):
+        step.new_requests.add(req_id=f"r{i}", prompt_token_ids=ids, block_ids=[1 + 2 * i, 2 + 2 * i],
+                              pooling="LAST", classify=classify)
+        step.scheduled.add(req_id=f"r{i}", num_tokens=len(ids))
+    out = _run(runners, step)
+    pooled = mlx_lm_pooled(model, ids, "LAST")
+    np.testing.assert_allclose(out.pooled["r0"], pooled @ weight.T, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(out.pooled["r1"], pooled, atol=1e-5, rtol=0)
+
+
+def test_score_and_rerank(reranker, tmp_path):
+    """vLLM's /v1/score and /v1/rerank on a served sequence classifier: each pair's score equals
+    mlx-lm's forward pass + LAST pooling + the score head + sigmoid (float32, 1e-5), the pair
+    tokenized as vLLM's cross-encoder does (query and document as a text pair); /classify the same
+    for one text; bad requests are 4xx."""
+    tokenizer = AutoTokenizer.from_pretrained(reranker)
+    args = ["--max-model-len", "64", "--max-num-batched-tokens", "32", "--max-num-seqs", "8",
+            "--gpu-memory-utilization", "0.05", "--served-model-name", "rr"]
+    query, docs = "Which fox is quick?", [TEXTS[1], TEXTS[0], "Pipeline stages overlap instead of idling, " * 2]
+    want = [mlx_lm_score(reranker, tokenizer(text=query, text_pair=d)["input_ids"]) for d in docs]
+    with running_server(reranker, *args, log_path=tmp_path / "server.log") as url, \
+            httpx.Client(base_url=url, timeout=120) as http:
+        score = http.post("/v1/score", json={"model": "rr", "queries": query, "documents": docs})
+        assert score.status_code == 200, score.text
+        got = {d["index"]: d["score"] for d in score.json()["data"]}
+        np.testing.assert_allclose([got[i] for i in range(len(docs))], want, atol=1e-5, rtol=0)
+        rerank = http.post("/v1/rerank", json={"model": "rr", "query": query, "documents": docs, "top_n": 2})
+        assert rerank.status_code == 200, rerank.text
+        results = rerank.json()["results"]
+        assert [r["index"] for r in results] == list(np.argsort(want)[::-1][:2])  # best first, top_n kept
+        for r in results:
+            assert r["document"]["text"] == docs[r["index"]]
+            assert abs(r["relevance_score"] - want[r["index"]]) <= 1e-5
+        classified = http.post("/classify", json={"model": "rr", "input": docs[0]})
+        assert classified.status_code == 200, classified.text
+        probs = classified.json()["data"][0]["probs"]
+        assert len(probs) == 1 and abs(probs[0] - mlx_lm_score(reranker, tokenizer(docs[0])["input_ids"])) <= 1e-5
+        assert http.post("/v1/rerank", json={"model": "rr", "documents": docs}).status_code == 400  # no query
+        too_long = http.post("/v1/score", json={"model": "rr", "queries": query, "documents": ["fox " * 100]})
+        assert too_long.status_code == 400 and "maximum context length" in too_long.text, too_long.text
+        again = http.post("/v1/score", json={"model": "rr", "queries": query, "documents": docs[:1]})
+        assert abs(again.json()["data"][0]["score"] - want[0]) <= 1e-5  # still serving

@@ -25,7 +25,7 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
 from metal_cluster.coordinator import kv_specs, load_progress, pooling, replan, start_times
 from metal_cluster.coordinator.cluster_control import CONTROL_KEY, ClusterControl
-from metal_cluster.coordinator.cluster_scheduler import loss_output
+from metal_cluster.coordinator.cluster_scheduler import loss_output, with_request_errors
 from metal_cluster.coordinator.lora_registry import LoRARegistry
 from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV
 from metal_cluster.coordinator.executor_env import (
@@ -290,9 +290,8 @@ class ClusterExecutor(Executor):
                 self.translator.forget(so.finished_req_ids)
                 out.set_result(loss_output(so, self._failure(), self.control.outage_id))
                 return out
-            if self.loras is not None:
-                self.loras.admit(so, self.pipeline, self.ranges)
-            step = self.translator.to_step(so, grammar_output)
+            unreadable = self.loras.admit(so, self.pipeline, self.ranges) if self.loras is not None else {}
+            step = self.translator.to_step(so, grammar_output, keep_back=unreadable)
             pipeline, generation = self.pipeline, self.control.generation
             self.inflight[out] = so
 
@@ -310,7 +309,11 @@ class ClusterExecutor(Executor):
                 self.translator.record(response)
                 prompt_logprobs = self.translator.prompt_logprobs.add(response.prompt_logprobs)
                 pooled = self.translator.pooled(so, response)
-            out.set_result(to_runner_output(so, response, prompt_logprobs, pooled))
+            result = to_runner_output(so, response, prompt_logprobs, pooled)
+            if unreadable:  # a 400 naming the adapter, for those requests only
+                result = with_request_errors(result, {r: RequestError(code="validation_error", message=m)
+                                                      for r, m in unreadable.items()})
+            out.set_result(result)
 
         answer = pipeline.submit(step)
         out.run = answer.exception  # vLLM's wait for this step drives an in-process stage's answer

@@ -114,24 +114,34 @@ class StepTranslator:
         # unknown to the new stages: it goes to them as a new request with its outputs.
         self.admitted: dict[str, Admitted] = dict(admitted or {})
         self.on_stages: set[str] = set()
+        # Requests that could not run (their LoRA adapter cannot be read): never sent to the stages,
+        # while the scheduler, which ends them, may still schedule them.
+        self.kept_back: set[str] = set()
 
     def next_plan(self, stage_keeps_tokens: bool) -> "StepTranslator":
-        return StepTranslator(stage_keeps_tokens, self.admitted, self.pooling, self.heads, self.classifier)
+        translator = StepTranslator(stage_keeps_tokens, self.admitted, self.pooling, self.heads, self.classifier)
+        translator.kept_back = set(self.kept_back)
+        return translator
 
     def forget(self, finished_req_ids) -> None:
         for req_id in finished_req_ids:
+            self.kept_back.discard(req_id)
             self.unsent.pop(req_id, None)
             self.admitted.pop(req_id, None)
             self.heads.pop(req_id, None)
             self.on_stages.discard(req_id)
             self.prompt_logprobs.forget(req_id)
 
-    def to_step(self, so, grammar=None) -> pb.StepRequest:
+    def to_step(self, so, grammar=None, keep_back=()) -> pb.StepRequest:
+        """keep_back: new requests that must not run (they end with an error instead)."""
         step = pb.StepRequest(version=PROTO_VERSION, step_id=self.step_id, stage_keeps_tokens=self.stage_keeps_tokens)
         self.step_id += 1
         step.finished_req_ids.extend(so.finished_req_ids)
         self.forget(so.finished_req_ids)
+        self.kept_back.update(keep_back)
         for new in so.scheduled_new_reqs:
+            if new.req_id in self.kept_back:
+                continue
             pooling, classify = "", False
             if new.pooling_params is not None:  # no sampling: the last stage pools the prompt
                 pooling = self.pooling or "LAST"
@@ -168,6 +178,8 @@ class StepTranslator:
                 step.cached_requests.append(cached)
         drafts = so.scheduled_spec_decode_tokens
         for req_id, n in so.num_scheduled_tokens.items():
+            if req_id in self.kept_back:
+                continue
             step.scheduled.append(pb.ScheduledTokens(req_id=req_id, num_tokens=n, draft_token_ids=drafts.get(req_id, ())))
         for copy in so.kv_cache_block_copies or ():
             step.block_copies.append(pb.BlockCopy(src=copy.src_block_id, dst=copy.dst_block_id))
@@ -180,6 +192,8 @@ class StepTranslator:
 
     def _cached(self, cached):
         for i, req_id in enumerate(cached.req_ids):
+            if req_id in self.kept_back:
+                continue
             if req_id not in self.on_stages and req_id in self.admitted and req_id in cached.all_token_ids:
                 yield self._resumed_elsewhere(req_id, cached, i)
                 continue

@@ -142,6 +142,17 @@ def test_classifier_head_on_the_last_stage(reranker, ranges):
     np.testing.assert_allclose(out.pooled["r1"], pooled, atol=1e-5, rtol=0)
 
 
+def test_placement_counts_the_score_head_not_the_embedding(reranker):
+    """A classifier's last stage holds the final norm and the score head; it has no tied lm_head."""
+    import json
+
+    from metal_cluster.stage_worker.checkpoint_sizes import weight_bytes
+
+    config = json.loads((reranker / "config.json").read_text())
+    sizes = weight_bytes(reranker, config, float32=True)
+    assert not sizes.tied and sizes.head == 2 * config["hidden_size"] * 4  # norm [hidden] + score [1, hidden]
+
+
 def test_score_and_rerank(reranker, tmp_path):
     """vLLM's /v1/score and /v1/rerank on a served sequence classifier: each pair's score equals
     mlx-lm's forward pass + LAST pooling + the score head + sigmoid (float32, 1e-5), the pair

@@ -18,7 +18,7 @@ from metal_cluster.stage_worker.model_source import resolve_model
 from metal_cluster.stage_worker.paged_kv import KVPool
 from metal_cluster.stage_worker.runner import StageRunner
 from metal_cluster.stage_worker.shard import load_shard
-from server_process import running_server
+from server_process import running_servers
 
 BLOCK_SIZE, NUM_BLOCKS = 8, 64
 TEXTS = ["Hello world, this is a test", "The quick brown fox jumps over the lazy dog", "A"]
@@ -80,31 +80,10 @@ def test_pooled_equals_mlx_lm(llama_model, ranges):
     np.testing.assert_allclose(_run(runners, rest).pooled["c"], mlx_lm_pooled(ref, ids, "LAST"), atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("stages", [1, 2], ids=["one-stage", "two-stages"])
-def test_embeddings_server(llama_model, tmp_path, stages):
-    """The openai client's embeddings.create against a pooling server of one stage and of two:
-    vLLM's head (L2-normalised) over the last stage's pooled vector, equal to mlx-lm's; too long is
-    a 400."""
-    ref, tokenizer = load(str(llama_model))
-    args = ["--runner", "pooling", "--convert", "embed", "-pp", str(stages), "--gpu-memory-utilization", "0.05",
-            "--max-model-len", "128", "--max-num-batched-tokens", "16", "--max-num-seqs", "8",
-            "--served-model-name", "emb"]
-    with running_server(llama_model, *args, log_path=tmp_path / "server.log") as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
-        texts = TEXTS + ["Pipeline stages overlap instead of idling, " * 3]  # over 16 tokens: chunked
-        r = client.embeddings.create(model="emb", input=texts)
-        for text, item in zip(texts, r.data):
-            want = mlx_lm_pooled(ref, tokenizer.encode(text), "LAST")
-            np.testing.assert_allclose(item.embedding, want / np.linalg.norm(want), atol=1e-5, rtol=0)
-        with pytest.raises(openai.BadRequestError, match="maximum context length is 128"):
-            client.embeddings.create(model="emb", input=[5] * 200)
-        assert client.embeddings.create(model="emb", input="still serving").data[0].embedding
-        # vLLM's bi-encoder /v1/score: the cosine similarity of the two embeddings.
-        score = httpx.post(f"{url}/v1/score", json={"model": "emb", "queries": TEXTS[0], "documents": TEXTS[1]},
-                           timeout=120)
-        q, d = (mlx_lm_pooled(ref, tokenizer.encode(t), "LAST") for t in TEXTS[:2])
-        cosine = q @ d / (np.linalg.norm(q) * np.linalg.norm(d))
-        assert abs(score.json()["data"][0]["score"] - cosine) <= 1e-5, score.text
+EMBED = ["--runner", "pooling", "--convert", "embed", "--gpu-memory-utilization", "0.05", "--max-model-len", "128",
+         "--max-num-batched-tokens", "16", "--max-num-seqs", "8", "--served-model-name", "emb"]
+RERANK = ["--max-model-len", "64", "--max-num-batched-tokens", "32", "--max-num-seqs", "8",
+          "--gpu-memory-utilization", "0.05", "--served-model-name", "rr"]
 
 
 @pytest.fixture(scope="module")
@@ -113,13 +92,52 @@ def reranker(tmp_path_factory):
     return tiny_models.build_tiny_classifier("qwen3", tmp_path_factory.mktemp("reranker"))
 
 
-def mlx_lm_score(folder, ids) -> float:
-    """mlx-lm's forward pass (the causal LM; strict=False leaves the score head out), LAST pooling,
-    the checkpoint's score head, and the sigmoid vLLM applies to one label's logit."""
+@pytest.fixture(scope="module")
+def servers(llama_model, reranker, tmp_path_factory):
+    """The module's servers, started together (see running_servers): embeddings of one stage and
+    of two, and the reranker."""
+    logs = tmp_path_factory.mktemp("pooling-servers")
+    with running_servers({1: (llama_model, [*EMBED, "-pp", "1"], logs / "one-stage.log"),
+                          2: (llama_model, [*EMBED, "-pp", "2"], logs / "two-stages.log"),
+                          "rr": (reranker, RERANK, logs / "reranker.log")}) as urls:
+        yield urls
+
+
+@pytest.mark.parametrize("stages", [1, 2], ids=["one-stage", "two-stages"])
+def test_embeddings_server(llama_model, servers, stages):
+    """The openai client's embeddings.create against a pooling server of one stage and of two:
+    vLLM's head (L2-normalised) over the last stage's pooled vector, equal to mlx-lm's; too long is
+    a 400."""
+    ref, tokenizer = load(str(llama_model))
+    url = servers[stages]
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+    texts = TEXTS + ["Pipeline stages overlap instead of idling, " * 3]  # over 16 tokens: chunked
+    r = client.embeddings.create(model="emb", input=texts)
+    for text, item in zip(texts, r.data):
+        want = mlx_lm_pooled(ref, tokenizer.encode(text), "LAST")
+        np.testing.assert_allclose(item.embedding, want / np.linalg.norm(want), atol=1e-5, rtol=0)
+    with pytest.raises(openai.BadRequestError, match="maximum context length is 128"):
+        client.embeddings.create(model="emb", input=[5] * 200)
+    assert client.embeddings.create(model="emb", input="still serving").data[0].embedding
+    # vLLM's bi-encoder /v1/score: the cosine similarity of the two embeddings.
+    score = httpx.post(f"{url}/v1/score", json={"model": "emb", "queries": TEXTS[0], "documents": TEXTS[1]},
+                       timeout=120)
+    q, d = (mlx_lm_pooled(ref, tokenizer.encode(t), "LAST") for t in TEXTS[:2])
+    cosine = q @ d / (np.linalg.norm(q) * np.linalg.norm(d))
+    assert abs(score.json()["data"][0]["score"] - cosine) <= 1e-5, score.text
+
+
+def mlx_lm_logit(folder, ids) -> float:
+    """mlx-lm's forward pass (the causal LM; strict=False leaves the score head out), LAST pooling
+    and the checkpoint's score head: the one label's logit."""
     model, _ = load_model(folder, strict=False)
     weight = np.array(mx.load(str(folder / "model.safetensors"))["score.weight"])
-    logit = mlx_lm_pooled(model, ids, "LAST") @ weight.T
-    return float(1 / (1 + np.exp(-logit[0])))
+    return float((mlx_lm_pooled(model, ids, "LAST") @ weight.T)[0])
+
+
+def mlx_lm_score(folder, ids) -> float:
+    """The logit through the sigmoid vLLM applies to a one-label classifier."""
+    return float(1 / (1 + np.exp(-mlx_lm_logit(folder, ids))))
 
 
 @pytest.mark.parametrize("ranges", [[(0, 4)], [(0, 2), (2, 4)]], ids=["one-stage", "two-stages"])
@@ -153,18 +171,15 @@ def test_placement_counts_the_score_head_not_the_embedding(reranker):
     assert not sizes.tied and sizes.head == 2 * config["hidden_size"] * 4  # norm [hidden] + score [1, hidden]
 
 
-def test_score_and_rerank(reranker, tmp_path):
+def test_score_and_rerank(reranker, servers):
     """vLLM's /v1/score and /v1/rerank on a served sequence classifier: each pair's score equals
     mlx-lm's forward pass + LAST pooling + the score head + sigmoid (float32, 1e-5), the pair
     tokenized as vLLM's cross-encoder does (query and document as a text pair); /classify the same
     for one text; bad requests are 4xx."""
     tokenizer = AutoTokenizer.from_pretrained(reranker)
-    args = ["--max-model-len", "64", "--max-num-batched-tokens", "32", "--max-num-seqs", "8",
-            "--gpu-memory-utilization", "0.05", "--served-model-name", "rr"]
     query, docs = "Which fox is quick?", [TEXTS[1], TEXTS[0], "Pipeline stages overlap instead of idling, " * 2]
     want = [mlx_lm_score(reranker, tokenizer(text=query, text_pair=d)["input_ids"]) for d in docs]
-    with running_server(reranker, *args, log_path=tmp_path / "server.log") as url, \
-            httpx.Client(base_url=url, timeout=120) as http:
+    with httpx.Client(base_url=servers["rr"], timeout=120) as http:
         score = http.post("/v1/score", json={"model": "rr", "queries": query, "documents": docs})
         assert score.status_code == 200, score.text
         got = {d["index"]: d["score"] for d in score.json()["data"]}
@@ -183,5 +198,7 @@ def test_score_and_rerank(reranker, tmp_path):
         assert http.post("/v1/rerank", json={"model": "rr", "documents": docs}).status_code == 400  # no query
         too_long = http.post("/v1/score", json={"model": "rr", "queries": query, "documents": ["fox " * 100]})
         assert too_long.status_code == 400 and "maximum context length" in too_long.text, too_long.text
-        again = http.post("/v1/score", json={"model": "rr", "queries": query, "documents": docs[:1]})
-        assert abs(again.json()["data"][0]["score"] - want[0]) <= 1e-5  # still serving
+        raw = http.post("/v1/score", json={"model": "rr", "queries": query, "documents": docs[:1],
+                                           "use_activation": False})  # still serving; the logit itself
+        logit = mlx_lm_logit(reranker, tokenizer(text=query, text_pair=docs[0])["input_ids"])
+        assert abs(raw.json()["data"][0]["score"] - logit) <= 1e-5, raw.text

@@ -13,7 +13,7 @@
 """
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 from vllm.outputs import RequestError
 from vllm.v1.core.sched.interface import PauseState
@@ -34,6 +34,18 @@ class StageLossOutput(ModelRunnerOutput):
 
     failure: RequestError | None = None
     outage_id: int = 0
+
+
+@dataclass
+class KeptBackOutput(ModelRunnerOutput):
+    """A step's output with requests that could not run in it (their LoRA adapter cannot be read):
+    they produced nothing and end with their own error; the others in the step are untouched."""
+
+    request_errors: dict[str, RequestError] = field(default_factory=dict)
+
+
+def with_request_errors(output: ModelRunnerOutput, errors: dict[str, RequestError]) -> KeptBackOutput:
+    return KeptBackOutput(**{f.name: getattr(output, f.name) for f in fields(ModelRunnerOutput)}, request_errors=errors)
 
 
 def loss_output(scheduler_output, failure: RequestError, outage_id: int) -> StageLossOutput:
@@ -87,6 +99,7 @@ class ClusterScheduler(Scheduler):
                 self._hold(model_runner_output.outage_id)
             else:  # no plan can serve: the requests this step carried end with the reason
                 self._end(set(scheduler_output.num_scheduled_tokens), failure)
+        self._fail(getattr(model_runner_output, "request_errors", None) or {})
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self.drafter is not None and failure is None:
             self._draft(scheduler_output)
@@ -140,6 +153,17 @@ class ClusterScheduler(Scheduler):
                 lost += req_id in self.held
             self.held.pop(req_id, None)
         self._note_held(lost=lost)
+
+    def _fail(self, errors: dict[str, RequestError]) -> None:
+        """Requests that did not run end with their error. vLLM hashed their full blocks into the
+        prefix cache when it scheduled them; nothing was computed there, so the hashes go."""
+        pool = self.kv_cache_manager.block_pool
+        for req_id, error in errors.items():
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            pool.evict_blocks({b for group in self.kv_cache_manager.get_block_ids(req_id) for b in group})
+            self.grammar_compile_error_reqs.setdefault(req_id, error)
 
     def _note_held(self, resumed: int = 0, lost: int = 0) -> None:
         self.held = {r: t for r, t in self.held.items() if r in self.requests}  # aborted meanwhile: gone

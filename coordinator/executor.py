@@ -23,9 +23,9 @@ from vllm.outputs import RequestError
 from vllm.v1.executor.abstract import Executor
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
-from metal_cluster.coordinator import kv_specs, load_progress, replan, start_times
+from metal_cluster.coordinator import kv_specs, load_progress, pooling, replan, start_times
 from metal_cluster.coordinator.cluster_control import CONTROL_KEY, ClusterControl
-from metal_cluster.coordinator.cluster_scheduler import loss_output
+from metal_cluster.coordinator.cluster_scheduler import loss_output, with_request_errors
 from metal_cluster.coordinator.lora_registry import LoRARegistry
 from metal_cluster.coordinator.cluster_state import RUN_DIR_ENV
 from metal_cluster.coordinator.executor_env import (
@@ -105,7 +105,9 @@ class ClusterExecutor(Executor):
         for (a, b), r, stage in zip(self.ranges, self.assigned, self.pipeline.stages):
             log.info("stage %s: layers [%d, %d), %.2f GiB weights, %.2f GiB activations, KV budget %.2f GiB",
                      stage.name, a, b, r.weights_bytes / 2**30, r.activation_bytes / 2**30, r.kv_budget_bytes / 2**30)
-        self.translator = StepTranslator(stage_keeps_tokens=len(self.pipeline) == 1, pooling=self._pooling_type())
+        self.translator = StepTranslator(stage_keeps_tokens=len(self.pipeline) == 1,
+                                         pooling=pooling.pooling_type(self.model_config),
+                                         classifier=pooling.classifier_head(self.model_config))
         self.lock = threading.Lock()  # the translator, the pipeline and the steps in flight change together
         self.inflight: dict[Future, object] = {}  # answer -> its SchedulerOutput
         self.pending = None
@@ -130,6 +132,11 @@ class ClusterExecutor(Executor):
         gap = family_of(self._model_json, self.model_config.model).serving_gap
         if gap:
             log.error("cannot serve %s (%s) yet: %s", self.model_name, self._model_json.get("model_type"), gap)
+            logging.shutdown()
+            os._exit(3)
+        refusal = pooling.classifier_refusal(self.model_config)
+        if refusal:
+            log.error("cannot serve %s as a classifier: %s", self.model_name, refusal)
             logging.shutdown()
             os._exit(3)
 
@@ -243,16 +250,9 @@ class ClusterExecutor(Executor):
     def compile_or_warm_up_model(self) -> None:
         pass
 
-    def _pooling_type(self) -> str:
-        """vLLM's pooling runner (--runner pooling): how the last stage pools a prompt; "" to generate."""
-        if self.model_config.runner_type != "pooling":
-            return ""
-        config = self.model_config.pooler_config
-        return str(getattr(config, "seq_pooling_type", None) or getattr(config, "pooling_type", None) or "LAST")
-
     @cached_property
     def supported_tasks(self):
-        return ("embed",) if self._pooling_type() else ("generate",)
+        return (pooling.pooling_task(self.model_config) or "generate",)
 
     # --- steps -----------------------------------------------------------------------------------
     def execute_model(self, scheduler_output, non_block: bool = False):
@@ -291,9 +291,8 @@ class ClusterExecutor(Executor):
                 self.translator.forget(so.finished_req_ids)
                 out.set_result(loss_output(so, self._failure(), self.control.outage_id))
                 return out
-            if self.loras is not None:
-                self.loras.admit(so, self.pipeline, self.ranges)
-            step = self.translator.to_step(so, grammar_output)
+            unreadable = self.loras.admit(so, self.pipeline, self.ranges) if self.loras is not None else {}
+            step = self.translator.to_step(so, grammar_output, keep_back=unreadable)
             pipeline, generation = self.pipeline, self.control.generation
             self.inflight[out] = so
 
@@ -311,7 +310,11 @@ class ClusterExecutor(Executor):
                 self.translator.record(response)
                 prompt_logprobs = self.translator.prompt_logprobs.add(response.prompt_logprobs)
                 pooled = self.translator.pooled(so, response)
-            out.set_result(to_runner_output(so, response, prompt_logprobs, pooled))
+            result = to_runner_output(so, response, prompt_logprobs, pooled)
+            if unreadable:  # a 400 naming the adapter, for those requests only
+                result = with_request_errors(result, {r: RequestError(code="validation_error", message=m)
+                                                      for r, m in unreadable.items()})
+            out.set_result(result)
 
         answer = pipeline.submit(step)
         out.run = answer.exception  # vLLM's wait for this step drives an in-process stage's answer

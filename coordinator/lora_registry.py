@@ -4,13 +4,14 @@ An adapter is read once (lora_adapters.py) and each stage gets its own layers' p
 up to --max-cpu-loras adapters on their hosts, evicting the least recently used one that no running
 request uses and that is not pinned; --max-loras of them are resident in a step's stacks (the stages
 swap them by LRU). A request naming an adapter the stages no longer hold (evicted, or resolved by a
-vLLM LoRA resolver) has it loaded again from its path first, as vLLM's own workers do.
+vLLM LoRA resolver) has it loaded again from its path first, as vLLM's own workers do; where that
+path no longer holds it, the request ends with a 400 naming why (vLLM's own workers stop the engine).
 """
 
 import logging
 from collections import OrderedDict
 
-from metal_cluster.coordinator.lora_adapters import LoRAAdapter, read_adapter
+from metal_cluster.coordinator.lora_adapters import LoRAAdapter, LoRAAdapterError, read_adapter
 
 log = logging.getLogger("vllm.metal_cluster.lora")
 
@@ -49,18 +50,31 @@ class LoRARegistry:
     def ids(self) -> set[int]:
         return set(self.adapters)
 
-    def admit(self, so, pipeline, ranges) -> None:
-        """Before a step goes out: its new requests' adapters on the stages, and who uses which."""
+    def admit(self, so, pipeline, ranges) -> dict[str, str]:
+        """Before a step goes out: its new requests' adapters on the stages, and who uses which.
+        Returns the requests whose adapter cannot be read again (evicted, and its folder changed or
+        gone since), each with why: they must not run, and the others are not held up by them."""
         self.finish(so.finished_req_ids)
+        unreadable = {}
         for new in so.scheduled_new_reqs:
             lora = new.lora_request
             if lora is None:
                 continue
-            self.users[new.req_id] = lora.lora_int_id
             if lora.lora_int_id in self.adapters:
                 self.adapters.move_to_end(lora.lora_int_id)
             else:
-                self.add(lora, pipeline, ranges)
+                try:
+                    self.add(lora, pipeline, ranges)
+                except LoRAAdapterError as e:
+                    log.warning("LoRA adapter '%s' (id %d) cannot be read again for request %s: %s",
+                                lora.lora_name, lora.lora_int_id, new.req_id, e)
+                    unreadable[new.req_id] = (
+                        f"{e} (it was evicted from the stages, --max-cpu-loras {self.max_cpu_loras}, and is "
+                        "read again at its next use: put its folder back, or /v1/unload_lora_adapter it and "
+                        "/v1/load_lora_adapter it from where it is now)")
+                    continue
+            self.users[new.req_id] = lora.lora_int_id
+        return unreadable
 
     def finish(self, req_ids) -> None:
         for req_id in req_ids:

@@ -6,7 +6,7 @@ coordinator remembers the tokens and ships each one once, in the request's next 
 """
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -64,6 +64,31 @@ class PoolingHead:
 
 
 @dataclass
+class ClassifierHead:
+    """vLLM's classifier head after the classification head the last stage applied: the affine
+    calibration (logit - logit_mean) / logit_sigma, then the model's activation (vLLM's own: sigmoid
+    for one label, softmax for several, or what the config names) unless the request turns it off."""
+
+    activation: object  # vLLM's PoolerActivation of this model (a torch module)
+    logit_mean: float | None = None
+    logit_sigma: float | None = None
+    use_activation: bool = True
+
+    def for_request(self, params) -> "ClassifierHead":
+        return replace(self, use_activation=params.use_activation is not False)
+
+    def apply(self, logits: np.ndarray):
+        import torch
+
+        out = torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
+        if self.logit_mean is not None:
+            out = out - self.logit_mean
+        if self.logit_sigma is not None:
+            out = out / self.logit_sigma
+        return self.activation(out) if self.use_activation else out
+
+
+@dataclass
 class Admitted:
     """What a stage learns of a request when it first sees it, kept for a later plan's stages."""
 
@@ -71,14 +96,16 @@ class Admitted:
     sampling: pb.SamplingParams
     lora_id: int = 0
     pooling: str = ""
+    classify: bool = False
 
 
 class StepTranslator:
     def __init__(self, stage_keeps_tokens: bool = False, admitted: dict[str, Admitted] | None = None,
-                 pooling: str = "", heads: dict[str, PoolingHead] | None = None):
+                 pooling: str = "", heads: dict | None = None, classifier: ClassifierHead | None = None):
         self.step_id = 0
         self.pooling = pooling  # a pooling model's pooling type (vLLM's pooler config), else ""
-        self.heads: dict[str, PoolingHead] = dict(heads or {})
+        self.classifier = classifier  # a sequence classifier's head (vLLM's classify task), else None
+        self.heads: dict[str, PoolingHead | ClassifierHead] = dict(heads or {})
         # A single stage (first and last) keeps what it samples; stage 0 of a pipeline is told.
         self.stage_keeps_tokens = stage_keeps_tokens
         self.unsent: dict[str, list[int]] = defaultdict(list)
@@ -87,36 +114,48 @@ class StepTranslator:
         # unknown to the new stages: it goes to them as a new request with its outputs.
         self.admitted: dict[str, Admitted] = dict(admitted or {})
         self.on_stages: set[str] = set()
+        # Requests that could not run (their LoRA adapter cannot be read): never sent to the stages,
+        # while the scheduler, which ends them, may still schedule them.
+        self.kept_back: set[str] = set()
 
     def next_plan(self, stage_keeps_tokens: bool) -> "StepTranslator":
-        return StepTranslator(stage_keeps_tokens, self.admitted, self.pooling, self.heads)
+        translator = StepTranslator(stage_keeps_tokens, self.admitted, self.pooling, self.heads, self.classifier)
+        translator.kept_back = set(self.kept_back)
+        return translator
 
     def forget(self, finished_req_ids) -> None:
         for req_id in finished_req_ids:
+            self.kept_back.discard(req_id)
             self.unsent.pop(req_id, None)
             self.admitted.pop(req_id, None)
             self.heads.pop(req_id, None)
             self.on_stages.discard(req_id)
             self.prompt_logprobs.forget(req_id)
 
-    def to_step(self, so, grammar=None) -> pb.StepRequest:
+    def to_step(self, so, grammar=None, keep_back=()) -> pb.StepRequest:
+        """keep_back: new requests that must not run (they end with an error instead)."""
         step = pb.StepRequest(version=PROTO_VERSION, step_id=self.step_id, stage_keeps_tokens=self.stage_keeps_tokens)
         self.step_id += 1
         step.finished_req_ids.extend(so.finished_req_ids)
         self.forget(so.finished_req_ids)
+        self.kept_back.update(keep_back)
         for new in so.scheduled_new_reqs:
-            pooling = ""
+            if new.req_id in self.kept_back:
+                continue
+            pooling, classify = "", False
             if new.pooling_params is not None:  # no sampling: the last stage pools the prompt
                 pooling = self.pooling or "LAST"
                 params = new.pooling_params
-                self.heads[new.req_id] = PoolingHead(params.dimensions, params.use_activation is not False)
+                classify = params.task == "classify"
+                self.heads[new.req_id] = (self.classifier.for_request(params) if classify
+                                          else PoolingHead(params.dimensions, params.use_activation is not False))
                 sampling = pb.SamplingParams()
             else:
                 if new.sampling_params.prompt_logprobs is not None:
                     self.prompt_logprobs.expect(new.req_id, len(new.prompt_token_ids))
                 sampling = sampling_to_proto(new.sampling_params)
             lora_id = new.lora_request.lora_int_id if new.lora_request is not None else 0
-            self.admitted[new.req_id] = Admitted(len(new.prompt_token_ids), sampling, lora_id, pooling)
+            self.admitted[new.req_id] = Admitted(len(new.prompt_token_ids), sampling, lora_id, pooling, classify)
             self.on_stages.add(new.req_id)
             step.new_requests.append(pb.NewRequest(
                 req_id=new.req_id,
@@ -130,6 +169,7 @@ class StepTranslator:
                 sampling=sampling,
                 lora_id=lora_id,
                 pooling=pooling,
+                classify=classify,
             ))
         for cached in self._cached(so.scheduled_cached_reqs):
             if isinstance(cached, pb.NewRequest):
@@ -138,6 +178,8 @@ class StepTranslator:
                 step.cached_requests.append(cached)
         drafts = so.scheduled_spec_decode_tokens
         for req_id, n in so.num_scheduled_tokens.items():
+            if req_id in self.kept_back:
+                continue
             step.scheduled.append(pb.ScheduledTokens(req_id=req_id, num_tokens=n, draft_token_ids=drafts.get(req_id, ())))
         for copy in so.kv_cache_block_copies or ():
             step.block_copies.append(pb.BlockCopy(src=copy.src_block_id, dst=copy.dst_block_id))
@@ -150,6 +192,8 @@ class StepTranslator:
 
     def _cached(self, cached):
         for i, req_id in enumerate(cached.req_ids):
+            if req_id in self.kept_back:
+                continue
             if req_id not in self.on_stages and req_id in self.admitted and req_id in cached.all_token_ids:
                 yield self._resumed_elsewhere(req_id, cached, i)
                 continue
@@ -186,10 +230,12 @@ class StepTranslator:
             sampling=seen.sampling,
             lora_id=seen.lora_id,
             pooling=seen.pooling,
+            classify=seen.classify,
         )
 
     def pooled(self, so, response: pb.StepResponse) -> list | None:
-        """vLLM's pooler_output: per scheduled request its embedding, or None (prompt not done yet)."""
+        """vLLM's pooler_output: per scheduled request its embedding or class scores, or None (prompt
+        not done yet)."""
         if not self.pooling:
             return None
         by_req = {p.req_id: p for p in response.pooled}

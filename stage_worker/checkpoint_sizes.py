@@ -77,7 +77,8 @@ def weight_bytes(folder: Path, config: dict, float32: bool) -> WeightBytes | Non
             embed += n
         else:
             head += n
-    tied = not any((text_tensor_name(name) or "").startswith("lm_head") for name in tensors)
+    # A sequence classifier's head is its score layer (counted in `head`), not the embedding.
+    tied = not any((text_tensor_name(name) or "").startswith(("lm_head.", "score.")) for name in tensors)
     return WeightBytes(layers, embed, head + (embed if tied else 0), tied)
 
 

@@ -152,7 +152,9 @@ class _Fetch:
         num_layers = config["num_hidden_layers"]
         if not 0 <= start < end <= num_layers:
             raise ModelLoadError(f"layer range [{start}, {end}) is outside the model's {num_layers} layers")
-        tied = ties_embeddings(config)
+        # A sequence classifier's head is its score layer (classifier.py): no tied embedding on its last stage.
+        classifier = any(t.name.startswith("score.") for f in weights for t in f.tensors)
+        tied = ties_embeddings(config) and not classifier
         kept = {t.name for f in weights for t in f.tensors if manifests.stage_keeps(t.name, start, end, num_layers, tied)}
         return {f.path: (f, wanted_pieces(f, kept)) for f in weights}, kept
 

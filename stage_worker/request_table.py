@@ -35,6 +35,7 @@ class RequestState:
     prompt_logprobs_done: bool = False  # reported once: a recomputation after preemption does not redo them
     lora_id: int = 0  # the LoRA adapter it runs with (0: the base model)
     pooling: str = ""  # a pooling request's pooling type (LAST, MEAN, CLS); empty: it generates
+    classify: bool = False  # a pooling request of vLLM's classify task: the classification head's logits
 
     @property
     def output_ids(self) -> list[int]:
@@ -82,6 +83,7 @@ class RequestTable:
                 sampling=new.sampling,
                 lora_id=new.lora_id,
                 pooling=new.pooling,
+                classify=new.classify,
                 # A seeded request's draws are keyed by seed and position (sampler.draw_key), so one
                 # resumed on a new plan with its outputs draws what it would have.
                 rng=np.random.default_rng(new.sampling.seed if new.sampling.HasField("seed") else None),

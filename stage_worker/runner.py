@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 
 from metal_cluster.proto import pb
+from metal_cluster.stage_worker import classifier
 from metal_cluster.stage_worker.attention import LayerContext
 from metal_cluster.stage_worker.batch import StepBatch, build_batch
 from metal_cluster.stage_worker.lora import LoRABank
@@ -78,6 +79,9 @@ class StageRunner:
         """Bookkeeping and checks: everything a stage does before it needs hidden states."""
         if step.stage_keeps_tokens and not (self.shard.is_first and self.shard.is_last):
             raise StepError("only a stage that runs the whole model can keep its sampled tokens")
+        if self.shard.is_last and not self.shard.classifies and any(n.classify for n in step.new_requests):
+            raise StepError(f"a request asks for vLLM's classify task, but the checkpoint has no classification "
+                            f"head ({classifier.HEAD}.weight)")
         self.table.apply(step)
         self.pool.copy_blocks([(c.src, c.dst) for c in step.block_copies])
         batch = build_batch(self.table, step.scheduled, self.pool.block_size, any(self.pool.is_state))
@@ -139,8 +143,8 @@ class StageRunner:
 
     def _pool(self, batch: StepBatch, hidden: mx.array) -> dict[str, np.ndarray]:
         """vLLM's pooling runner: the final-norm hidden states of each pooling request whose prompt
-        ends this step, pooled (LAST, MEAN, CLS); those requests sample nothing, so they leave the
-        batch's sampling rows."""
+        ends this step, pooled (LAST, MEAN, CLS), and for a classify request the classification
+        head's logits over that; those requests sample nothing, so they leave the batch's sampling rows."""
         norm = self.shard.family.inner(self.shard.model).norm
         starts = np.cumsum([0, *batch.num_tokens]).tolist()
         row_of = {r: i for i, r in enumerate(batch.req_ids)}
@@ -159,6 +163,8 @@ class StageRunner:
             else:
                 rows = hidden[first : first + 1] if state.pooling == "CLS" else hidden[first:end]
             pooled[req_id] = mx.mean(norm(rows).astype(mx.float32), axis=0)
+            if state.classify:
+                pooled[req_id] = classifier.classify(self.shard.model, pooled[req_id])
         mx.eval(list(pooled.values()))
         batch.sample_req_ids = [batch.sample_req_ids[k] for k in keep]
         batch.logits_rows = batch.logits_rows[mx.array(keep, dtype=mx.int32)] if keep else batch.logits_rows[:0]

@@ -1,5 +1,6 @@
 """Load the part of a model one stage runs: layers [start, end), plus the embedding on the first
-stage and norm + lm_head on the last. Only those tensors are read from disk.
+stage and norm + lm_head (a sequence classifier's score head) on the last. Only those tensors are
+read from disk.
 
 mlx-lm builds the model with lazy weights; the layers this stage does not run are dropped before
 anything is evaluated, so their tensors are never read. The shard is cast to its compute dtype
@@ -13,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import _get_classes, load_model
 
-from metal_cluster.stage_worker import compiled, dtypes
+from metal_cluster.stage_worker import classifier, compiled, dtypes
 from metal_cluster.stage_worker.compiled import CompileSwitch
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.families import Family, LayerCache, family_of
@@ -48,7 +49,14 @@ class ModelShard:
     def embed(self, token_ids: mx.array) -> mx.array:
         return self.family.embed(self.model, token_ids)
 
+    @property
+    def classifies(self) -> bool:
+        """A sequence classifier's last stage: the checkpoint's score head instead of an lm_head."""
+        return classifier.has_head(self.model)
+
     def logits(self, hidden: mx.array) -> mx.array:
+        if self.classifies:  # what a classifier has for logits (a warm-up prefill samples from them)
+            return classifier.classify(self.model, self.family.inner(self.model).norm(hidden))
         return self.family.logits(self.model, hidden)
 
 
@@ -80,8 +88,10 @@ def load_shard(source: ModelSource, start: int = 0, end: int | None = None,
 
 
 def _load_folder_model(source: ModelSource) -> nn.Module:
+    head = classifier.score_head(source.folder)
+    classes = _get_classes if head is None else classifier.with_score_head(_get_classes, *head)
     try:
-        model, _ = load_model(source.folder, lazy=True, strict=True)
+        model, _ = load_model(source.folder, lazy=True, strict=True, get_model_classes=classes)
     except KeyError as e:  # mlx-lm's sanitize looks up a tensor the checkpoint does not have
         raise ModelLoadError(f"cannot load weights from {source.folder}: tensor {e.args[0]} is missing") from None
     except (ValueError, FileNotFoundError) as e:
@@ -128,7 +138,7 @@ def _load_gguf_model(source: ModelSource, config: dict, start: int, end: int, gp
 
 def _keep_only(inner: nn.Module, model: nn.Module, start: int, end: int, num_layers: int) -> None:
     """Drop what this stage does not run, so none of it is ever evaluated."""
-    tied = "lm_head" not in model
+    tied = "lm_head" not in model and not classifier.has_head(model)
     inner.layers = inner.layers[start:end]
     last = end == num_layers
     if start != 0 and not (last and tied):
@@ -136,6 +146,7 @@ def _keep_only(inner: nn.Module, model: nn.Module, start: int, end: int, num_lay
     if not last:
         inner.pop("norm")
         model.pop("lm_head", None)
+        model.pop(classifier.HEAD, None)
 
 
 def _one_line(e: Exception, names: int = 3) -> str:

@@ -32,6 +32,30 @@ def running_server(model, *extra, log_path, timeout=300, command="serve"):
         _stop(proc)
 
 
+@contextlib.contextmanager
+def running_servers(specs: dict, *, timeout=300):
+    """Several servers started at once, {name: (model, extra args, log path)} -> {name: url}. A
+    start is mostly vLLM's imports and set-up, on one core: on CI's two cores, servers that start
+    together are ready in about the time of one. If any fails to start, the others are stopped."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with contextlib.ExitStack() as stack:
+        servers = {name: running_server(model, *extra, log_path=log, timeout=timeout)
+                   for name, (model, extra, log) in specs.items()}
+        with ThreadPoolExecutor(len(servers)) as pool:
+            starts = {name: pool.submit(server.__enter__) for name, server in servers.items()}
+        urls, failures = {}, []
+        for name, start in starts.items():
+            if start.exception() is None:
+                urls[name] = start.result()
+                stack.push(servers[name].__exit__)
+            else:
+                failures.append(start.exception())
+        if failures:
+            raise failures[0]
+        yield urls
+
+
 def tree_rss(url) -> int:
     """Resident memory of the server listening at `url` and all its children (EngineCore, ...)."""
     import psutil

@@ -297,3 +297,23 @@ def test_a_fetched_stage_of_a_family_that_renames_its_tensors_loads(family, star
         assert n1 == n2 and mx.array_equal(a, b)
     if family != "qwen3_5":  # dense: its parameters were renamed only out of model.language_model
         assert any(".switch_mlp." in n or "embed_q" in n for n, _ in tree_flatten(mine.model.parameters()))
+
+
+def test_a_classifiers_last_stage_fetches_its_score_head_not_the_embedding(tmp_path):
+    """A tied Qwen3 sequence classifier: its last stage holds the score head, so the embedding its
+    config ties to an lm_head does not travel; the fetched stage loads like the full folder's."""
+    import tiny_models
+
+    folder = tiny_models.build_tiny_classifier("qwen3", tmp_path / "reranker")
+    running = _start(folder, tmp_path)
+    try:
+        got = fetch(running, tmp_path / "worker-cache", 2, 4)
+        header = next(f for f in running.manifest.files if f.format == "safetensors").tensors[0].offset
+    finally:
+        running.stop()
+    assert got.received == tensor_bytes(folder, 2, 4) + header + small_files_bytes(folder)
+    mine = load_shard(resolve_model(got.folder), 2, 4, got.tensors)
+    full = load_shard(resolve_model(folder), 2, 4)
+    assert mine.classifies and "embed_tokens" not in mine.model.model
+    for (n1, a), (n2, b) in zip(tree_flatten(mine.model.parameters()), tree_flatten(full.model.parameters())):
+        assert n1 == n2 and mx.array_equal(a, b)

@@ -720,3 +720,32 @@ def test_bad_lora_adapters_are_a_400_naming_the_problem(client, tiny_server, lla
         status, text = _post(tiny_server, json.dumps(body).encode(), path="/v1/load_lora_adapter")
         assert status == 400 and says in json.loads(text)["error"]["message"], text
     assert _lora_greedy(client, "tiny", [1, 2, 3], 2)  # still serving
+
+
+def test_an_evicted_adapter_whose_folder_is_gone_is_a_400(client, tiny_server, llama_model, llama_adapters,
+                                                          tmp_path):
+    """The stages hold --max-cpu-loras adapters (vLLM's default: --max-loras, 2 here): the two loaded
+    after 'epsilon' evict it, and its next request reads it again from its folder. With the folder
+    gone that request is a 400 naming the folder; the engine and everyone else keep going. With the
+    folder back the same prompt is right: the blocks vLLM hashed for the failed request, never
+    computed, are no prefix-cache hit."""
+    import shutil
+
+    from lora_fixtures import fused_model
+
+    gone = shutil.copytree(llama_adapters["beta"], tmp_path / "epsilon")
+    for name, path in (("epsilon", gone), ("zeta", llama_adapters["beta"]), ("eta", llama_adapters["beta_as_mlx"])):
+        status, text = _post(tiny_server, json.dumps({"lora_name": name, "lora_path": str(path)}).encode(),
+                             path="/v1/load_lora_adapter")
+        assert status == 200, text
+    shutil.rmtree(gone)
+    ids = [(7 * i) % 500 + 3 for i in range(40)]  # full KV blocks, which vLLM hashes when it schedules them
+    with pytest.raises(openai.BadRequestError, match=r"epsilon.*no such folder.*evicted"):
+        _lora_greedy(client, "epsilon", ids, 4)
+    assert _lora_greedy(client, "zeta", [1, 2, 3], 2) and _lora_greedy(client, "tiny", [1, 2, 3], 2)
+    shutil.copytree(llama_adapters["beta"], gone)
+    assert _lora_greedy(client, "epsilon", ids, 4) == mlx_lm_greedy(
+        fused_model(llama_model, llama_adapters["beta_as_mlx"]), ids, 4)
+    for name in ("epsilon", "zeta", "eta"):
+        status, text = _post(tiny_server, json.dumps({"lora_name": name}).encode(), path="/v1/unload_lora_adapter")
+        assert status == 200, text

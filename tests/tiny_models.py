@@ -479,3 +479,23 @@ def build_tiny_model(family: str, out_dir: Path, *, num_layers: int = 4, hidden_
     for name, content in files.items():
         (out_dir / name).write_text(json.dumps(content, indent=2) + "\n")
     return out_dir
+
+
+def build_tiny_classifier(family: str, out_dir: Path, *, num_labels: int = 1, seed: int = 0, **kwargs) -> Path:
+    """A tiny random sequence classifier (`<Family>ForSequenceClassification`, as Hugging Face saves
+    one): the causal LM of `build_tiny_model` with its lm_head replaced by a `score` head
+    [num_labels, hidden] and config.json naming its labels. vLLM serves it with its classify task."""
+    out_dir = build_tiny_model(family, out_dir, seed=seed, **kwargs)
+    weights = {k: v for k, v in mx.load(str(out_dir / "model.safetensors")).items() if not k.startswith("lm_head.")}
+    config = json.loads((out_dir / "config.json").read_text())
+    hidden = config["hidden_size"]
+    rng = np.random.default_rng(zlib.crc32(f"score-{seed}".encode()))
+    dtype = weights["model.embed_tokens.weight"].dtype
+    score = rng.normal(0, 1 / np.sqrt(hidden), (num_labels, hidden)).astype(np.float32)
+    weights["score.weight"] = mx.array(score).astype(dtype)
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
+    config["architectures"] = [_ARCH[family].replace("ForCausalLM", "ForSequenceClassification")]
+    config["id2label"] = {str(i): f"LABEL_{i}" for i in range(num_labels)}
+    config["label2id"] = {f"LABEL_{i}": i for i in range(num_labels)}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out_dir

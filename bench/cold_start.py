@@ -75,8 +75,8 @@ def main():
             peers = f"{ip_b}:7760,{ip_c}:7760"
             # The coordinator's manifest is hashed on the first run only: warm it, so both runs compare fetches.
             subprocess.run([sys.executable, "-c", "import sys; from metal_cluster.coordinator import model_store; "
-                            "from metal_cluster.stage_worker.manifest import build; "
-                            "from metal_cluster.stage_worker.model_source import resolve_model; "
+                            "from metal_cluster.stage_worker.transfer.manifest import build; "
+                            "from metal_cluster.stage_worker.model.model_source import resolve_model; "
                             "build(resolve_model(sys.argv[1]), 'm')", str(model)], check=True)
             cold = up_to_first_token(ns_a, ip_a, peers, model, work / "up-1.log")
             moved = {ip: fetched(work / f"worker-{ip}.log") for ip in (ip_b, ip_c)}

@@ -39,8 +39,8 @@ def mlx_lm_loop(inputs: list[str]) -> tuple[float, np.ndarray]:
 
     from mlx_lm.utils import load_tokenizer
 
-    from metal_cluster.stage_worker.model_source import resolve_model
-    from metal_cluster.stage_worker.shard import load_shard
+    from metal_cluster.stage_worker.model.model_source import resolve_model
+    from metal_cluster.stage_worker.model.shard import load_shard
 
     shard = load_shard(resolve_model(None))  # mlx-lm's own model class, weights as the stages read them
     tokenizer = load_tokenizer(resolve_model(None).folder)

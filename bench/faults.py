@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from server_process import running_server  # noqa: E402
 
-from metal_cluster.coordinator import cluster_state  # noqa: E402
+from metal_cluster.coordinator.cluster import cluster_state  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 TOKENS = 200  # per stream: still running when the stage is hit, short enough to finish after the pause

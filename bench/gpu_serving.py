@@ -200,7 +200,7 @@ def random_model(config: dict):
 
 
 def write_folder(folder: Path, model, config: dict, small: bool) -> None:
-    """What a served folder holds (see stage_worker/model_source.py): config.json, a tokenizer and
+    """What a served folder holds (see stage_worker/model/model_source.py): config.json, a tokenizer and
     model*.safetensors with their index, as mlx_lm.utils.save_model shards them."""
     from mlx_lm import utils as mlx_lm_utils
 
@@ -248,7 +248,7 @@ def small_shards(mlx_lm_utils, small: bool):
 
 def tensor_bytes(folder: Path) -> dict[str, int]:
     """Bytes of every tensor in the folder's safetensors, from their headers (nothing is loaded)."""
-    from metal_cluster.stage_worker.checkpoint_sizes import read_headers
+    from metal_cluster.stage_worker.model.checkpoint_sizes import read_headers
 
     return {name: t["data_offsets"][1] - t["data_offsets"][0] for name, t in read_headers(folder).items()}
 
@@ -552,10 +552,10 @@ def ours_in_process(folder: Path, config: dict, wl: Workload, measures, utilizat
 
 def ours_pipeline(folder: Path, config: dict, wl: Workload, measures, utilization: float, step_timeout: float) -> dict:
     """Two stage-worker processes on this machine, as `serve -pp 2` starts and plans them
-    (coordinator/executor.py): health, per-host memory shares, even layer split, assign, the smallest
+    (coordinator/engine/executor.py): health, per-host memory shares, even layer split, assign, the smallest
     budget, start with the ring hosts from the health answers; then every step through the Pipeline."""
-    from metal_cluster.coordinator import local_workers, replan
-    from metal_cluster.coordinator import stages as stages_mod
+    from metal_cluster.coordinator.cluster import local_workers, replan
+    from metal_cluster.coordinator.cluster import stages as stages_mod
 
     ranges = stages_mod.even_split(config["num_hidden_layers"], PIPELINE_STAGES)
     out = dict(stages=PIPELINE_STAGES, ranges=ranges)

@@ -188,10 +188,10 @@ def runner_tokens_per_s(model, batch_prompts, warm: int, steps: int, attention=N
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from scheduler_double import SchedulerDouble
 
-    attn_mod = importlib.import_module("metal_cluster.stage_worker.attention")
-    from metal_cluster.stage_worker.paged_kv import KVPool
-    from metal_cluster.stage_worker.runner import StageRunner
-    from metal_cluster.stage_worker.shard import ModelShard
+    attn_mod = importlib.import_module("metal_cluster.stage_worker.step.attention")
+    from metal_cluster.stage_worker.kv.paged_kv import KVPool
+    from metal_cluster.stage_worker.step.runner import StageRunner
+    from metal_cluster.stage_worker.model.shard import ModelShard
 
     saved = attn_mod.paged_attention
     if attention is not None:

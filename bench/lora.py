@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from lora_fixtures import ATTENTION, MLP, random_pairs, write_peft  # noqa: E402
 from server_process import running_server  # noqa: E402
 
-from metal_cluster.stage_worker.model_source import resolve_model  # noqa: E402
+from metal_cluster.stage_worker.model.model_source import resolve_model  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello in Spanish.",
            "What day comes after Monday?", "Give me a fruit.", "What is water made of?", "Count to three."]

@@ -28,7 +28,7 @@ import tiny_models  # noqa: E402
 
 TLS = """
 import ssl, tempfile
-from metal_cluster.stage_worker import cluster_tls
+from metal_cluster.stage_worker.net import cluster_tls
 def tls_context(server):
     me, folder = cluster_tls.identity("bench-token", "bench"), tempfile.mkdtemp()
     for name, value in (("cert", me.cert), ("key", me.key), ("ca", me.ca)):
@@ -41,8 +41,8 @@ def tls_context(server):
 """
 STORE = """
 import sys, time
-from metal_cluster.coordinator import model_store
-from metal_cluster.stage_worker.model_source import resolve_model
+from metal_cluster.coordinator.cluster import model_store
+from metal_cluster.stage_worker.model.model_source import resolve_model
 s = model_store.start(resolve_model(sys.argv[1]), "bench", sys.argv[2], "bench-token", port=7790)
 print(s.manifest.sha256, flush=True)
 time.sleep(3600)
@@ -50,7 +50,7 @@ time.sleep(3600)
 FETCH = """
 import sys, time, json
 from pathlib import Path
-from metal_cluster.stage_worker.fetch import fetch_stage
+from metal_cluster.stage_worker.transfer.fetch import fetch_stage
 import mlx_lm.utils  # imported before the clock starts, as in a worker
 t = time.perf_counter()
 cpu = time.process_time()

@@ -17,11 +17,11 @@ import signal
 import statistics
 import time
 
-from metal_cluster.coordinator import local_workers, replan
-from metal_cluster.coordinator.stages import RemoteStage
+from metal_cluster.coordinator.cluster import local_workers, replan
+from metal_cluster.coordinator.cluster.stages import RemoteStage
 from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.stage_worker.families import family_of
-from metal_cluster.stage_worker.model_source import resolve_model
+from metal_cluster.stage_worker.model.model_source import resolve_model
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 1025  # what vLLM arrives at for `bench/faults.py`'s server (3 stages, 0.5 utilization)

@@ -33,8 +33,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 from server_process import free_port, running_server  # noqa: E402
 
 from metal_cluster.coordinator.blas import openblas_env  # noqa: E402
-from metal_cluster.stage_worker import gguf  # noqa: E402
-from metal_cluster.stage_worker.model_source import resolve_model  # noqa: E402
+from metal_cluster.stage_worker.model import gguf  # noqa: E402
+from metal_cluster.stage_worker.model.model_source import resolve_model  # noqa: E402
 
 TOOLS_TEXT = "\n".join(
     f"- tool_{i}(path: str, pattern: str, limit: int): searches file {i} for a pattern and returns at most "

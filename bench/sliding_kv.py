@@ -31,9 +31,9 @@ def groups_for(folder: Path, ranges):
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
     from vllm.v1.core.kv_cache_planning import get_global_kv_cache_groups, get_kv_cache_configs
 
-    from metal_cluster.coordinator.kv_specs import KV_LAYOUTS, global_kv_groups, kv_cache_specs
+    from metal_cluster.coordinator.engine.kv_specs import KV_LAYOUTS, global_kv_groups, kv_cache_specs
     from metal_cluster.stage_worker.families import family_of
-    from metal_cluster.stage_worker.model_source import resolve_model
+    from metal_cluster.stage_worker.model.model_source import resolve_model
 
     config = EngineArgs(model=str(folder), max_model_len=max(CONTEXTS), block_size=BLOCK,
                         enforce_eager=True).create_engine_config()
@@ -47,8 +47,8 @@ def groups_for(folder: Path, ranges):
 
 def request_bytes(caches, groups, ranges, context: int) -> tuple[int, int]:
     """(hybrid, every layer full): KV bytes one `context`-token request holds over all stages."""
-    from metal_cluster.stage_worker.kv_layout import KVLayout
-    from metal_cluster.stage_worker.paged_kv import blocks_held
+    from metal_cluster.stage_worker.kv.kv_layout import KVLayout
+    from metal_cluster.stage_worker.kv.paged_kv import blocks_held
 
     blocks = -(-context // BLOCK)
     held = [blocks_held(caches[g[0]], context, BLOCK) for g in groups]
@@ -61,7 +61,7 @@ def request_bytes(caches, groups, ranges, context: int) -> tuple[int, int]:
 
 
 def main() -> None:
-    from metal_cluster.coordinator.stages import even_split
+    from metal_cluster.coordinator.cluster.stages import even_split
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = tiny_models.build_tiny_model(

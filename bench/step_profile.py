@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from scheduler_double import SchedulerDouble  # noqa: E402
 
 from metal_cluster.proto import PROTO_VERSION, pb  # noqa: E402
-from metal_cluster.stage_worker import runner as runner_module  # noqa: E402
+from metal_cluster.stage_worker.step import runner as runner_module  # noqa: E402
 from metal_cluster.stage_worker.host import StageHost  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -168,7 +168,7 @@ def main():
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--mlx-lm", action="store_true", help="also split mlx-lm's own decode loop")
     parser.add_argument("--compile", choices=tuple(COMPILE_CHOICES), default="on",
-                        help="the decode step's pure parts through mx.compile (stage_worker/compiled.py), as serve runs them, or not, or both")
+                        help="the decode step's pure parts through mx.compile (stage_worker/step/compiled.py), as serve runs them, or not, or both")
     args = parser.parse_args()
     print(f"device: {mx.default_device()}")
     print("| model | mode | step (ms) | launch | prepare | graph | submit | wait |")

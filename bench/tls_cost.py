@@ -1,5 +1,5 @@
 """What the control plane's mutual TLS adds to a step: the gRPC Step round trip of a decode step,
-TLS (stage_worker/cluster_tls.py, as the cluster runs it) vs plaintext, to 1 and to 3 stages at once
+TLS (stage_worker/net/cluster_tls.py, as the cluster runs it) vs plaintext, to 1 and to 3 stages at once
 (the executor sends every step to every stage and waits for all), on loopback.
 
 The stages here answer at once (a fixed StepResponse), so the time is all transport: what TLS adds
@@ -20,7 +20,7 @@ import grpc
 
 from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.proto import cluster_pb2_grpc as pb_grpc
-from metal_cluster.stage_worker import cluster_tls
+from metal_cluster.stage_worker.net import cluster_tls
 
 TOKEN = "bench-token"
 

@@ -25,7 +25,7 @@ from serve_vs_mlx_lm import mlx_lm_folder, start_mlx_lm  # noqa: E402
 from server_process import running_server  # noqa: E402
 
 from metal_cluster.coordinator.blas import openblas_env  # noqa: E402
-from metal_cluster.stage_worker.model_source import resolve_model  # noqa: E402
+from metal_cluster.stage_worker.model.model_source import resolve_model  # noqa: E402
 
 METRICS = ("median_ttft_ms", "median_tpot_ms", "median_itl_ms", "output_throughput")
 

@@ -26,11 +26,11 @@ def main(
     """Commands that run models preload OpenBLAS themselves (see blas.py); the others stay quiet."""
     import os
 
-    from metal_cluster.coordinator import start_times
+    from metal_cluster.coordinator.commands import start_times
 
     start_times.mark_started()
     from metal_cluster.coordinator import config
-    from metal_cluster.stage_worker.auth import TOKEN_FILE_ENV
+    from metal_cluster.stage_worker.net.auth import TOKEN_FILE_ENV
 
     try:
         path, table = config.read(config_file)
@@ -58,7 +58,7 @@ def _body_timeout_option():
 def _set_admission(max_body: int, max_waiting: int, body_timeout: float) -> None:
     import os
 
-    from metal_cluster.coordinator import admission
+    from metal_cluster.coordinator.api import admission
 
     os.environ[admission.MAX_BODY_ENV] = str(max_body)
     os.environ[admission.MAX_WAITING_ENV] = str(max_waiting)
@@ -133,9 +133,9 @@ def up(
 
     from rich.console import Console
 
-    from metal_cluster.coordinator import placement
-    from metal_cluster.coordinator import up as cluster
-    from metal_cluster.stage_worker.auth import TOKEN_ENV, resolve_token
+    from metal_cluster.coordinator.cluster import placement
+    from metal_cluster.coordinator.commands import up as cluster
+    from metal_cluster.stage_worker.net.auth import TOKEN_ENV, resolve_token
 
     blas.use_openblas_if_present()
     model, extra = _split_model_arg(model, ctx)
@@ -159,7 +159,7 @@ def up(
         return
     memory = _host_memory()
     if local_worker:
-        from metal_cluster.stage_worker.dtypes import on_gpu  # MLX: only when this host runs a stage
+        from metal_cluster.stage_worker.model.dtypes import on_gpu  # MLX: only when this host runs a stage
 
         hosts = hosts + [placement.Host("this-host", "local", memory, local=True, gpu=on_gpu())]
     cost = placement.ModelCost.of_model(source.folder, source.config, on_gpu=all(h.gpu for h in hosts))
@@ -194,7 +194,7 @@ CPU_MAX_NUM_SEQS = 8
 
 
 def _backend_defaults(extra: list[str]) -> list[str]:
-    from metal_cluster.coordinator.serve import has_flag
+    from metal_cluster.coordinator.commands.serve import has_flag
 
     if _mlx_on_cpu() and not has_flag(extra, "--max-num-seqs"):
         return ["--max-num-seqs", str(CPU_MAX_NUM_SEQS), *extra]
@@ -215,7 +215,7 @@ def _mlx_on_cpu() -> bool:
 def _set_stage_timeout(seconds: float, resume_s: float) -> None:
     import os
 
-    from metal_cluster.coordinator.executor_env import RESUME_TIMEOUT_ENV, STAGE_TIMEOUT_ENV
+    from metal_cluster.coordinator.engine.executor_env import RESUME_TIMEOUT_ENV, STAGE_TIMEOUT_ENV
 
     os.environ[STAGE_TIMEOUT_ENV] = str(seconds)  # read by the executor, in vLLM's engine process
     os.environ[RESUME_TIMEOUT_ENV] = str(resume_s)
@@ -246,7 +246,7 @@ def _split_model_arg(model, ctx):
 
 
 def _resolve(model):
-    from metal_cluster.stage_worker.model_source import resolve_model
+    from metal_cluster.stage_worker.model.model_source import resolve_model
 
     try:
         return resolve_model(model)
@@ -255,7 +255,7 @@ def _resolve(model):
 
 
 def _served_name(source):
-    from metal_cluster.coordinator import serve as server
+    from metal_cluster.coordinator.commands import serve as server
 
     return server.served_name(source)
 
@@ -265,9 +265,10 @@ def _run_server(source, host, port, utilization, extra, local_stages=0, planned=
     placement over remote workers (plus one local worker where the plan has a stage on this host)."""
     import os
 
-    from metal_cluster.coordinator import local_workers, speculation
-    from metal_cluster.coordinator import serve as server
-    from metal_cluster.coordinator.executor_env import LOCAL_STAGES_ENV
+    from metal_cluster.coordinator.cluster import local_workers
+    from metal_cluster.coordinator.engine import speculation
+    from metal_cluster.coordinator.commands import serve as server
+    from metal_cluster.coordinator.engine.executor_env import LOCAL_STAGES_ENV
 
     bad_speculation = speculation.problem(extra, source.folder)
     if bad_speculation:
@@ -304,7 +305,7 @@ def run_registration(host, port, source, workers):
     import shutil
     import time
 
-    from metal_cluster.coordinator import cluster_state
+    from metal_cluster.coordinator.cluster import cluster_state
 
     run_dir = cluster_state.run_dir_for(port)
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -325,7 +326,7 @@ def status(
     watch: bool = typer.Option(False, "--watch", help="Refresh in place until Ctrl-C."),
 ):
     """Show the cluster: nodes, stages and layer ranges, KV use, requests, tokens/s."""
-    from metal_cluster.coordinator import status as view
+    from metal_cluster.coordinator.commands import status as view
 
     try:
         view.show(view.find_url(url), as_json, watch)
@@ -340,7 +341,7 @@ def down(
     workers_too: bool = typer.Option(False, "--workers-too", help="Also stop the remote worker daemons."),
 ):
     """Drain (no new requests, running ones finish), then stop the coordinator and its stages."""
-    from metal_cluster.coordinator import status as view
+    from metal_cluster.coordinator.commands import status as view
 
     try:
         view.bring_down(view.find_url(url), timeout, workers_too)
@@ -364,9 +365,9 @@ def rebalance(
     still runs after --drain-timeout ends with a retryable error."""
     from rich.console import Console
 
-    from metal_cluster.coordinator import status as view
-    from metal_cluster.coordinator import up as cluster
-    from metal_cluster.stage_worker.auth import resolve_token
+    from metal_cluster.coordinator.commands import status as view
+    from metal_cluster.coordinator.commands import up as cluster
+    from metal_cluster.stage_worker.net.auth import resolve_token
 
     console = Console(stderr=True, soft_wrap=True)
     try:
@@ -404,7 +405,7 @@ def worker(
         30.0, min=1, help="Seconds without a heartbeat from its coordinator before a serving worker frees itself."),
 ):
     """Run a stage-worker daemon: it waits for a coordinator to assign it layers."""
-    from metal_cluster.stage_worker.auth import TOKEN_ENV, resolve_token
+    from metal_cluster.stage_worker.net.auth import TOKEN_ENV, resolve_token
 
     if install_service or uninstall_service:
         return _worker_service(ctx, install_service, uninstall_service)
@@ -417,7 +418,7 @@ def worker(
     blas.use_openblas_if_present()
     import logging
 
-    from metal_cluster.stage_worker.lean_mlx_lm import skip_tokenizer_side
+    from metal_cluster.stage_worker.model.lean_mlx_lm import skip_tokenizer_side
 
     skip_tokenizer_side()  # a stage never tokenizes: its restart at every re-plan skips transformers and torch
     from metal_cluster.stage_worker.server import serve as serve_stage
@@ -436,7 +437,7 @@ def worker(
 @app.command()
 def token():
     """Create the cluster token file (once) and print its path and token: copy it to every host."""
-    from metal_cluster.stage_worker.auth import create_token_file
+    from metal_cluster.stage_worker.net.auth import create_token_file
 
     path, secret = create_token_file()
     typer.echo(f"{path}\n{secret}")
@@ -454,7 +455,7 @@ def doctor(
 ):
     """Check what this host needs (Python, MLX, OpenBLAS, token file, config, ports, interface, mDNS):
     one line per check, with the fix when it fails; exits 1 when one fails."""
-    from metal_cluster.coordinator import doctor as checks
+    from metal_cluster.coordinator.commands import doctor as checks
 
     ports = [("API", port, "--port"), ("worker gRPC", worker_port, "worker --port"),
              ("worker ring", worker_port + 1, "worker --ring-port")]
@@ -476,8 +477,8 @@ def generate(
 ):
     """Generate one answer on this machine, without a server."""
     blas.use_openblas_if_present()
-    from metal_cluster.coordinator.oneshot import generate as run
-    from metal_cluster.stage_worker.model_source import resolve_model
+    from metal_cluster.coordinator.commands.oneshot import generate as run
+    from metal_cluster.stage_worker.model.model_source import resolve_model
 
     try:
         source = resolve_model(model)
@@ -500,7 +501,7 @@ def _interface_address(interface: str) -> str:
 
     import psutil
 
-    from metal_cluster.coordinator.up import UpError, interface_ip
+    from metal_cluster.coordinator.commands.up import UpError, interface_ip
 
     try:
         address = interface_ip(interface)
@@ -515,8 +516,8 @@ def _interface_address(interface: str) -> str:
 
 def _worker_service(ctx, install: bool, uninstall: bool):
     """`worker --install-service` / `--uninstall-service`: the service runs this same executable."""
-    from metal_cluster.coordinator import services
-    from metal_cluster.stage_worker.auth import token_file
+    from metal_cluster.coordinator.commands import services
+    from metal_cluster.stage_worker.net.auth import token_file
 
     if install and uninstall:
         fail("--install-service or --uninstall-service: pick one")

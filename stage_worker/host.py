@@ -15,17 +15,17 @@ import mlx.core as mx
 import psutil
 
 from metal_cluster.proto import PROTO_VERSION, pb
-from metal_cluster.stage_worker import memory
-from metal_cluster.stage_worker.dtypes import dtype_name, from_name
-from metal_cluster.stage_worker.auth import resolve_token
-from metal_cluster.stage_worker.fetch import FetchProgress, fetch_stage, weights_room
-from metal_cluster.stage_worker.kv_layout import KVLayout
-from metal_cluster.stage_worker.model_source import resolve_model
-from metal_cluster.stage_worker.paged_kv import KVPool, bytes_per_block
-from metal_cluster.stage_worker.request_table import StepError
-from metal_cluster.stage_worker.ring import JOINING_RING, Ring
-from metal_cluster.stage_worker.runner import StageOutput, StageRunner, to_response
-from metal_cluster.stage_worker.shard import load_shard
+from metal_cluster.stage_worker.kv import memory
+from metal_cluster.stage_worker.model.dtypes import dtype_name, from_name
+from metal_cluster.stage_worker.net.auth import resolve_token
+from metal_cluster.stage_worker.transfer.fetch import FetchProgress, fetch_stage, weights_room
+from metal_cluster.stage_worker.kv.kv_layout import KVLayout
+from metal_cluster.stage_worker.model.model_source import resolve_model
+from metal_cluster.stage_worker.kv.paged_kv import KVPool, bytes_per_block
+from metal_cluster.stage_worker.step.request_table import StepError
+from metal_cluster.stage_worker.net.ring import JOINING_RING, Ring
+from metal_cluster.stage_worker.step.runner import StageOutput, StageRunner, to_response
+from metal_cluster.stage_worker.model.shard import load_shard
 
 
 # Float32 (tokens x tokens) arrays per attention head that one layer's attention may hold at once

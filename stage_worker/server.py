@@ -16,12 +16,12 @@ import grpc
 
 from metal_cluster.proto import cluster_pb2_grpc as pb_grpc
 from metal_cluster.proto import pb
-from metal_cluster.stage_worker import cluster_tls
+from metal_cluster.stage_worker.net import cluster_tls
 from metal_cluster.stage_worker.errors import ModelLoadError
-from metal_cluster.stage_worker.lora import LoRAError
+from metal_cluster.stage_worker.step.lora import LoRAError
 from metal_cluster.stage_worker.host import StageHost, StageStateError, VersionError, check_version
-from metal_cluster.stage_worker.request_table import StepError
-from metal_cluster.stage_worker.ring import RingError
+from metal_cluster.stage_worker.step.request_table import StepError
+from metal_cluster.stage_worker.net.ring import RingError
 from metal_cluster.stage_worker.worker_env import NODE_ID_ENV, PARENT_PID_ENV
 
 log = logging.getLogger("metal_cluster.worker")
@@ -198,7 +198,7 @@ def serve(host: str, port: int, ring_port: int, token: str, advertise_ip: str | 
              cluster_tls.fingerprint(token), ring_port)
     advertiser = None
     if advertise_ip:
-        from metal_cluster.stage_worker.advertise import Advertiser
+        from metal_cluster.stage_worker.net.advertise import Advertiser
         from metal_cluster.stage_worker.host import device_name
 
         advertiser = Advertiser(advertise_ip, stage.node_id, bound, ring_port, device_name())

@@ -15,7 +15,7 @@ MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 
 def random_pairs(model_dir: Path, modules, rank: int, seed: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """'model.layers.i.<module>' -> (lora_a [in, r], lora_b [r, out]), big enough to change the text."""
-    from metal_cluster.coordinator.lora_adapters import linear_shapes
+    from metal_cluster.coordinator.engine.lora_adapters import linear_shapes
 
     rng = np.random.default_rng(seed)
     pairs = {}

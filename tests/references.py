@@ -7,8 +7,8 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models import llama
 from mlx_lm.utils import load_tokenizer
 
-from metal_cluster.stage_worker import gguf
-from metal_cluster.stage_worker.model_source import resolve_model
+from metal_cluster.stage_worker.model import gguf
+from metal_cluster.stage_worker.model.model_source import resolve_model
 
 
 def mlx_lm_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:

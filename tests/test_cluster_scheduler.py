@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from metal_cluster.coordinator.cluster_control import CONTROL_KEY, ClusterControl
-from metal_cluster.coordinator.cluster_scheduler import ClusterScheduler, loss_output
-from metal_cluster.coordinator.step_translation import StepTranslator
-from metal_cluster.coordinator.vllm_platform import ACTIVATE_ENV
+from metal_cluster.coordinator.engine.cluster_control import CONTROL_KEY, ClusterControl
+from metal_cluster.coordinator.engine.cluster_scheduler import ClusterScheduler, loss_output
+from metal_cluster.coordinator.engine.step_translation import StepTranslator
+from metal_cluster.coordinator.engine.vllm_platform import ACTIVATE_ENV
 
 NUM_BLOCKS = 40
 BLOCK = 16

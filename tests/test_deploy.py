@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from metal_cluster.coordinator import services
+from metal_cluster.coordinator.commands import services
 from metal_cluster.coordinator.cli import app
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +55,7 @@ def test_the_shipped_files_are_the_renderer_s():
     for (kind, name), relative in services.TEMPLATE_FILES.items():
         assert (DEPLOY / relative).read_bytes() == services.template(kind, name), (
             f"deploy/{relative} differs from services.template(); regenerate: .venv/bin/python -c "
-            f"'from metal_cluster.coordinator.services import write_templates; write_templates(\"deploy\")'")
+            f"'from metal_cluster.coordinator.commands.services import write_templates; write_templates(\"deploy\")'")
 
 
 @pytest.mark.parametrize("path", PLISTS, ids=lambda p: p.name)

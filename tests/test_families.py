@@ -13,8 +13,8 @@ from test_runner import (PROMPTS, make_runner, test_chunked_prefill_mixed_with_d
                          test_shared_prefix_blocks)
 
 from metal_cluster.stage_worker.errors import ModelLoadError
-from metal_cluster.stage_worker.model_source import resolve_model
-from metal_cluster.stage_worker.shard import load_shard
+from metal_cluster.stage_worker.model.model_source import resolve_model
+from metal_cluster.stage_worker.model.shard import load_shard
 
 
 @pytest.fixture(scope="session", params=tiny_models.MORE_FAMILIES)

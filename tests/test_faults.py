@@ -23,7 +23,7 @@ import openai
 import pytest
 from mlx_lm.utils import load
 
-from metal_cluster.coordinator import cluster_state
+from metal_cluster.coordinator.cluster import cluster_state
 from references import mlx_lm_greedy
 from server_process import free_port, running_server
 

@@ -14,11 +14,11 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from metal_cluster.stage_worker.model_source import default_model_gguf
+from metal_cluster.stage_worker.model.model_source import default_model_gguf
 
-from metal_cluster.stage_worker import gguf
+from metal_cluster.stage_worker.model import gguf
 from metal_cluster.stage_worker.errors import ModelLoadError
-from metal_cluster.stage_worker.gguf import (
+from metal_cluster.stage_worker.model.gguf import (
     gguf_weights,
     hf_config,
     prepare_gguf_folder,
@@ -291,7 +291,7 @@ def test_prepared_folder_loads_offline_and_is_reused(folder):
 def test_default_model_folder_carries_its_sampling_defaults(tmp_path, monkeypatch):
     """vLLM reads generation_config.json for requests without sampling fields: the embedded
     default gets SmolLM2's model-card sampling; the same file prepared without defaults does not."""
-    from metal_cluster.stage_worker.model_source import DEFAULT_MODEL_SAMPLING, resolve_model
+    from metal_cluster.stage_worker.model.model_source import DEFAULT_MODEL_SAMPLING, resolve_model
 
     monkeypatch.setenv("METAL_CLUSTER_CACHE", str(tmp_path))
     generation = json.loads((resolve_model(None).folder / "generation_config.json").read_text())
@@ -375,7 +375,7 @@ def test_qwen3moe_gguf_serves_token_exact(tmp_path):
     from test_runner import BLOCK_SIZE, NUM_BLOCKS, PROMPTS, make_runner
     from scheduler_double import SchedulerDouble
 
-    from metal_cluster.stage_worker.model_source import resolve_model
+    from metal_cluster.stage_worker.model.model_source import resolve_model
 
     folder = tiny_models.build_tiny_model("qwen3_moe", tmp_path / "moe", config_overrides={"mlp_only_layers": []})
     write_qwen3moe_gguf(folder, tmp_path / "moe.gguf")
@@ -395,7 +395,7 @@ def test_qwen3moe_gguf_serves_token_exact(tmp_path):
 
     assert AutoTokenizer.from_pretrained(source.folder).encode(PROMPTS[1]) == prompts[1]
     # Placement weighs each layer as the stage holds it: its experts, not dense arithmetic.
-    from metal_cluster.coordinator.placement import ModelCost
+    from metal_cluster.coordinator.cluster.placement import ModelCost
 
     from mlx.utils import tree_flatten
 
@@ -410,7 +410,7 @@ def test_tensor_table_without_the_metadata_parse_matches_gguf_readers(tmp_path):
     gguf's GGUFReader gives (names, values, bytes, types), and a file that is no GGUF is refused."""
     from gguf import GGUFReader
 
-    from metal_cluster.stage_worker.checkpoint_sizes import gguf_tensor_table
+    from metal_cluster.stage_worker.model.checkpoint_sizes import gguf_tensor_table
 
     path = default_model_gguf()
     ours = [(t.name, t.n_elements, t.n_bytes, t.type_name) for t in gguf_tensor_table(path)]

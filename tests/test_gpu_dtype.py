@@ -20,15 +20,15 @@ from mlx_lm.generate import generate_step
 from mlx_lm.utils import load, load_tokenizer
 
 import tiny_models
-from metal_cluster.coordinator import local_workers
-from metal_cluster.coordinator.replan import ring_hosts, shares_per_host
-from metal_cluster.coordinator.stages import Pipeline, RemoteStage, even_split, wire_dtype
+from metal_cluster.coordinator.cluster import local_workers
+from metal_cluster.coordinator.cluster.replan import ring_hosts, shares_per_host
+from metal_cluster.coordinator.cluster.stages import Pipeline, RemoteStage, even_split, wire_dtype
 from metal_cluster.kernels import gpu_backend
 from metal_cluster.proto import PROTO_VERSION, pb
-from metal_cluster.stage_worker.auth import TOKEN_ENV
+from metal_cluster.stage_worker.net.auth import TOKEN_ENV
 from metal_cluster.stage_worker.host import StageHost
 from metal_cluster.stage_worker.families import Family
-from metal_cluster.stage_worker.model_source import resolve_model
+from metal_cluster.stage_worker.model.model_source import resolve_model
 from references import mlx_lm_greedy
 from scheduler_double import SchedulerDouble
 

@@ -12,7 +12,7 @@ from test_families import test_stage_chain_equals_whole_model  # noqa: F401  (la
 from test_runner import (PROMPTS, test_chunked_prefill_mixed_with_decodes,  # noqa: F401
                          test_eight_requests_packed_in_one_batch, test_one_request, test_preempted_and_resumed)
 
-from metal_cluster.stage_worker.model_source import resolve_model
+from metal_cluster.stage_worker.model.model_source import resolve_model
 
 
 @pytest.fixture(scope="module", params=tiny_models.HYBRID_FAMILIES)
@@ -38,7 +38,7 @@ SERVE_ARGS = ["--gpu-memory-utilization", "0.05", "--max-model-len", "512", "--m
 def test_vllm_takes_qwen3_5_for_the_text_only_hybrid_it_serves(served, tmp_path, monkeypatch):
     import vllm.platforms
 
-    from metal_cluster.coordinator.vllm_platform import ACTIVATE_ENV
+    from metal_cluster.coordinator.engine.vllm_platform import ACTIVATE_ENV
 
     monkeypatch.setenv(ACTIVATE_ENV, "1")  # our platform and model registrations, as in `serve`'s engine
     monkeypatch.setattr(vllm.platforms, "_current_platform", None)

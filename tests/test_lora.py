@@ -5,11 +5,11 @@ import pytest
 from mlx_lm.utils import load
 
 from lora_fixtures import ATTENTION, fused_model, random_pairs, write_peft
-from metal_cluster.coordinator.lora_adapters import LoRAAdapterError, read_adapter
-from metal_cluster.stage_worker.model_source import resolve_model
-from metal_cluster.stage_worker.paged_kv import KVPool
-from metal_cluster.stage_worker.runner import StageRunner
-from metal_cluster.stage_worker.shard import load_shard
+from metal_cluster.coordinator.engine.lora_adapters import LoRAAdapterError, read_adapter
+from metal_cluster.stage_worker.model.model_source import resolve_model
+from metal_cluster.stage_worker.kv.paged_kv import KVPool
+from metal_cluster.stage_worker.step.runner import StageRunner
+from metal_cluster.stage_worker.model.shard import load_shard
 from references import mlx_lm_greedy
 from scheduler_double import SchedulerDouble
 
@@ -51,7 +51,7 @@ def _runners(llama_model, ranges):
 def test_mixed_batch_equals_fused_mlx_lm(llama_model, adapters, expected, ranges, form, monkeypatch):
     """Base, 'alpha' and 'beta' requests in the same steps, with two slots for the two adapters and
     then one slot (every step swaps the adapters in and out by LRU); both forms of the delta."""
-    from metal_cluster.stage_worker import lora
+    from metal_cluster.stage_worker.step import lora
 
     if form == "gathered":
         monkeypatch.setattr(lora, "DENSE_WIDTH", 0)
@@ -127,8 +127,8 @@ def test_bad_adapters_are_named(llama_model, adapters, tmp_path):
 def test_a_bad_lora_module_at_start_is_one_line(llama_model, tmp_path, capsys, monkeypatch):
     from types import SimpleNamespace
 
-    from metal_cluster.coordinator import serve
-    from metal_cluster.coordinator.http_routes import LORA_CHECK_ENV
+    from metal_cluster.coordinator.commands import serve
+    from metal_cluster.coordinator.api.http_routes import LORA_CHECK_ENV
 
     monkeypatch.setenv(LORA_CHECK_ENV, "")  # restored after: the check sets it for the API server
     args = SimpleNamespace(model=str(llama_model), max_lora_rank=8,

@@ -18,9 +18,9 @@ from server_process import running_server
 
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.families import LayerCache, family_of
-from metal_cluster.stage_worker.model_source import resolve_model
-from metal_cluster.stage_worker.paged_kv import KVPool, bytes_per_block
-from metal_cluster.stage_worker.shard import load_shard
+from metal_cluster.stage_worker.model.model_source import resolve_model
+from metal_cluster.stage_worker.kv.paged_kv import KVPool, bytes_per_block
+from metal_cluster.stage_worker.model.shard import load_shard
 
 NUM_LAYERS = 6
 KV_LORA_RANK, ROPE_DIM = 32, 8  # tiny_models' deepseek_v3 config
@@ -61,7 +61,7 @@ def test_vllm_kv_spec_is_mla(tiny_deepseek):
     import torch
     from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
-    from metal_cluster.coordinator.kv_specs import kv_cache_specs
+    from metal_cluster.coordinator.engine.kv_specs import kv_cache_specs
 
     config = json.loads((tiny_deepseek / "config.json").read_text())
     cache = family_of(config, "x").layer_caches(config)[0]
@@ -125,7 +125,7 @@ def test_serve_two_stages_matches_mlx_lm(tiny_deepseek, tmp_path):
 
 def test_placement_counts_the_latent(tiny_deepseek):
     """DeepSeek V3's shape: one 576-wide entry per token and layer, not K and V of 128 heads."""
-    from metal_cluster.coordinator.placement import ModelCost
+    from metal_cluster.coordinator.cluster.placement import ModelCost
 
     config = json.loads((tiny_deepseek / "config.json").read_text())
     assert set(ModelCost.from_config(config).kv_bytes_per_token) == {(KV_LORA_RANK + ROPE_DIM) * 4}
@@ -138,7 +138,7 @@ def test_routing_bias_keeps_its_dtype(tiny_deepseek):
     """A half-precision stage casts the weights but not what mlx-lm's cast_predicate keeps."""
     from mlx_lm.utils import load_model
 
-    from metal_cluster.stage_worker import dtypes
+    from metal_cluster.stage_worker.model import dtypes
 
     model, _ = load_model(tiny_deepseek, lazy=True)
     dtypes.settle(model, mx.bfloat16)
@@ -165,8 +165,8 @@ def test_paged_latent_attention_equals_mlx_lm_module(q_lora_rank, batched_decode
     from mlx_lm.models.cache import KVCache
 
     from metal_cluster.kernels.metadata import AttentionMetadata
-    from metal_cluster.stage_worker.attention import LayerContext
-    from metal_cluster.stage_worker.batch import GroupTables
+    from metal_cluster.stage_worker.step.attention import LayerContext
+    from metal_cluster.stage_worker.step.batch import GroupTables
     from metal_cluster.stage_worker.families.deepseek_v3 import PagedLatentAttention
 
     mx.random.seed(3)

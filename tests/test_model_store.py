@@ -11,12 +11,12 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
-from metal_cluster.coordinator import model_store
-from metal_cluster.stage_worker import manifest as manifests
+from metal_cluster.coordinator.cluster import model_store
+from metal_cluster.stage_worker.transfer import manifest as manifests
 from metal_cluster.stage_worker.errors import ModelLoadError
-from metal_cluster.stage_worker.fetch import FetchProgress, fetch_stage, weights_room
-from metal_cluster.stage_worker.model_source import resolve_model
-from metal_cluster.stage_worker.shard import load_shard
+from metal_cluster.stage_worker.transfer.fetch import FetchProgress, fetch_stage, weights_room
+from metal_cluster.stage_worker.model.model_source import resolve_model
+from metal_cluster.stage_worker.model.shard import load_shard
 
 TOKEN = "store-test-token"
 
@@ -127,7 +127,7 @@ class CutOff(FetchProgress):
 
 
 def test_a_cut_off_transfer_resumes_without_sending_again_what_arrived(model, tmp_path, monkeypatch):
-    from metal_cluster.stage_worker import fetch as fetch_module
+    from metal_cluster.stage_worker.transfer import fetch as fetch_module
 
     monkeypatch.setattr(fetch_module, "BATCH_BYTES", 4096)  # several reads per file, as with a big model
     cache = tmp_path / "worker-cache"
@@ -180,7 +180,7 @@ def test_the_manifest_is_cached(model, tmp_path, monkeypatch):
 
 def test_chunks_by_hand_are_protobuf_read_chunks():
     from metal_cluster.proto import pb
-    from metal_cluster.stage_worker import chunk_wire
+    from metal_cluster.stage_worker.transfer import chunk_wire
 
     for offset, data in ((0, b"abc"), (300, b""), (2**40 + 5, bytes(range(256)) * 3)):
         assert pb.ReadChunk.FromString(chunk_wire.encode(offset, data)) == pb.ReadChunk(offset=offset, data=data)
@@ -226,7 +226,7 @@ def test_a_gguf_stage_fetches_its_tensors_only(tmp_path):
 
 
 def test_progress_lines_and_status_cell():
-    from metal_cluster.coordinator import load_progress, status
+    from metal_cluster.coordinator.commands import load_progress, status
 
     assert load_progress.line("10.0.0.2:7760", 50 * 2**20, 200 * 2**20, 10.0) == (
         "stage 10.0.0.2:7760: fetched 50.0 of 200.0 MiB of weights (25%, 5.0 MiB/s, 30s left)")

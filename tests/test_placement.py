@@ -2,7 +2,7 @@
 
 import pytest
 
-from metal_cluster.coordinator.placement import GIB, Host, ModelCost, PlacementError, plan
+from metal_cluster.coordinator.cluster.placement import GIB, Host, ModelCost, PlacementError, plan
 
 # Roughly a 1B model in float32: 16 layers of ~0.2 GiB, a 0.5 GiB embedding.
 COST = ModelCost.uniform(num_layers=16, layer_bytes=int(0.2 * GIB), embed_bytes=int(0.5 * GIB),
@@ -117,7 +117,7 @@ def test_recurrent_layers_cost_one_state_whatever_the_context(family, tmp_path):
     import tiny_models
 
     from metal_cluster.stage_worker.families import REGISTRY
-    from metal_cluster.stage_worker.model_source import text_config
+    from metal_cluster.stage_worker.model.model_source import text_config
 
     config = json.loads((tiny_models.build_tiny_model(family, tmp_path, num_layers=6) / "config.json").read_text())
     cost = ModelCost.from_config(config)
@@ -137,8 +137,8 @@ def test_a_vision_language_checkpoint_costs_its_text_model(tmp_path):
     and neither the vision tower nor the MTP head (no stage holds them)."""
     import tiny_models
 
-    from metal_cluster.stage_worker.checkpoint_sizes import read_headers
-    from metal_cluster.stage_worker.model_source import resolve_model
+    from metal_cluster.stage_worker.model.checkpoint_sizes import read_headers
+    from metal_cluster.stage_worker.model.model_source import resolve_model
 
     folder = tiny_models.build_tiny_model("qwen3_5_moe", tmp_path, num_layers=6)
     cost = ModelCost.of_model(folder, resolve_model(folder).config)

@@ -14,10 +14,10 @@ from mlx_lm.utils import load, load_model
 from transformers import AutoTokenizer
 
 from metal_cluster.proto import PROTO_VERSION, pb
-from metal_cluster.stage_worker.model_source import resolve_model
-from metal_cluster.stage_worker.paged_kv import KVPool
-from metal_cluster.stage_worker.runner import StageRunner
-from metal_cluster.stage_worker.shard import load_shard
+from metal_cluster.stage_worker.model.model_source import resolve_model
+from metal_cluster.stage_worker.kv.paged_kv import KVPool
+from metal_cluster.stage_worker.step.runner import StageRunner
+from metal_cluster.stage_worker.model.shard import load_shard
 from server_process import running_servers
 
 BLOCK_SIZE, NUM_BLOCKS = 8, 64
@@ -164,7 +164,7 @@ def test_placement_counts_the_score_head_not_the_embedding(reranker):
     """A classifier's last stage holds the final norm and the score head; it has no tied lm_head."""
     import json
 
-    from metal_cluster.stage_worker.checkpoint_sizes import weight_bytes
+    from metal_cluster.stage_worker.model.checkpoint_sizes import weight_bytes
 
     config = json.loads((reranker / "config.json").read_text())
     sizes = weight_bytes(reranker, config, float32=True)

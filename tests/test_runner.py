@@ -4,10 +4,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.utils import load
 
-from metal_cluster.stage_worker.model_source import resolve_model
-from metal_cluster.stage_worker.paged_kv import KVPool
-from metal_cluster.stage_worker.runner import StageRunner
-from metal_cluster.stage_worker.shard import load_shard
+from metal_cluster.stage_worker.model.model_source import resolve_model
+from metal_cluster.stage_worker.kv.paged_kv import KVPool
+from metal_cluster.stage_worker.step.runner import StageRunner
+from metal_cluster.stage_worker.model.shard import load_shard
 from references import mlx_lm_greedy, smollm2_reference
 from scheduler_double import SchedulerDouble
 
@@ -65,11 +65,11 @@ def test_eight_requests_packed_in_one_batch(family):
 
 def test_decode_steps_take_the_compiled_path_and_prompt_chunks_do_not(family, monkeypatch):
     """Pure decode batches run the layers' projections, o_proj and MLPs through mx.compile
-    (stage_worker/compiled.py); prompt chunks, whose shapes vary, run them directly. Both are
+    (stage_worker/step/compiled.py); prompt chunks, whose shapes vary, run them directly. Both are
     token-exact (the other tests here run both paths against mlx-lm)."""
     import types
 
-    from metal_cluster.stage_worker import compiled
+    from metal_cluster.stage_worker.step import compiled
 
     calls = {"compiled": 0}
 

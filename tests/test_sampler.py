@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from metal_cluster.proto import pb
-from metal_cluster.stage_worker import sampler
-from metal_cluster.stage_worker.sampler import SampleRow
+from metal_cluster.stage_worker.step import sampler
+from metal_cluster.stage_worker.step.sampler import SampleRow
 
 VOCAB = 64
 

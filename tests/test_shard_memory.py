@@ -8,8 +8,8 @@ import tiny_models
 
 PROBE = """
 import json, sys
-from metal_cluster.stage_worker.model_source import resolve_model
-from metal_cluster.stage_worker.shard import load_shard
+from metal_cluster.stage_worker.model.model_source import resolve_model
+from metal_cluster.stage_worker.model.shard import load_shard
 import mlx.core as mx
 def resident_mb():
     # VmRSS, not ru_maxrss: a child's ru_maxrss starts at its parent's (pytest's) peak.

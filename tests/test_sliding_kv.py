@@ -12,14 +12,14 @@ from mlx_lm.utils import load
 import tiny_models
 from references import mlx_lm_greedy
 
-from metal_cluster.coordinator.cluster_control import CONTROL_KEY, ClusterControl
-from metal_cluster.coordinator.step_translation import StepTranslator, to_runner_output
-from metal_cluster.coordinator.vllm_platform import ACTIVATE_ENV
-from metal_cluster.stage_worker.kv_layout import KVLayout
-from metal_cluster.stage_worker.model_source import resolve_model
-from metal_cluster.stage_worker.paged_kv import KVPool, bytes_per_block
-from metal_cluster.stage_worker.runner import StageRunner, to_response
-from metal_cluster.stage_worker.shard import load_shard
+from metal_cluster.coordinator.engine.cluster_control import CONTROL_KEY, ClusterControl
+from metal_cluster.coordinator.engine.step_translation import StepTranslator, to_runner_output
+from metal_cluster.coordinator.engine.vllm_platform import ACTIVATE_ENV
+from metal_cluster.stage_worker.kv.kv_layout import KVLayout
+from metal_cluster.stage_worker.model.model_source import resolve_model
+from metal_cluster.stage_worker.kv.paged_kv import KVPool, bytes_per_block
+from metal_cluster.stage_worker.step.runner import StageRunner, to_response
+from metal_cluster.stage_worker.model.shard import load_shard
 
 BLOCK = 8
 WINDOW = 8
@@ -54,7 +54,7 @@ def cluster(gemma, monkeypatch):
 
     from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
 
-    from metal_cluster.coordinator.kv_specs import KV_LAYOUTS, global_kv_groups, kv_cache_specs
+    from metal_cluster.coordinator.engine.kv_specs import KV_LAYOUTS, global_kv_groups, kv_cache_specs
 
     folder = gemma[0]
     config = EngineArgs(model=str(folder), max_model_len=256, enforce_eager=True, block_size=BLOCK,

@@ -15,10 +15,10 @@ import pytest
 import tiny_models
 from server_process import free_port
 
-from metal_cluster.coordinator import speculation
-from metal_cluster.coordinator.ngram import propose
+from metal_cluster.coordinator.engine import speculation
+from metal_cluster.coordinator.engine.ngram import propose
 from metal_cluster.proto import pb
-from metal_cluster.stage_worker.sampler import SampleRow, sample
+from metal_cluster.stage_worker.step.sampler import SampleRow, sample
 
 NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
 # A random tiny model rarely repeats itself; limited to a few tokens it does, so drafts are accepted.

@@ -14,7 +14,7 @@ import urllib.request
 import openai
 import pytest
 
-from metal_cluster.coordinator import cluster_state
+from metal_cluster.coordinator.cluster import cluster_state
 from server_process import running_server
 
 CLI = [sys.executable, "-m", "metal_cluster.coordinator"]

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 import tiny_models
-from metal_cluster.coordinator.stages import RemoteStage, StageCallError
+from metal_cluster.coordinator.cluster.stages import RemoteStage, StageCallError
 from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.proto import cluster_pb2_grpc as pb_grpc
 from server_process import free_port
@@ -133,7 +133,7 @@ def test_another_clusters_host_and_a_plaintext_client_are_refused(tmp_path, monk
     the line is the coordinator's.)"""
     from rich.console import Console
 
-    from metal_cluster.coordinator import up as cluster
+    from metal_cluster.coordinator.commands import up as cluster
 
     log = tmp_path / "worker.log"
     with worker_process(log) as stage:
@@ -188,7 +188,7 @@ def test_token_command_creates_the_file_once(tmp_path, monkeypatch):
 
 
 def test_every_grpc_port_and_channel_goes_through_cluster_tls():
-    """Only stage_worker/cluster_tls.py opens gRPC ports and channels, so none can skip the TLS."""
+    """Only stage_worker/net/cluster_tls.py opens gRPC ports and channels, so none can skip the TLS."""
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 
-from metal_cluster.stage_worker.attention import PagedAttention
+from metal_cluster.stage_worker.step.attention import PagedAttention
 
 
 @dataclass(frozen=True)

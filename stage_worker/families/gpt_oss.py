@@ -5,7 +5,7 @@ A sink is one learned logit per head that takes part in the softmax but has no v
 seed each head's softmax with it.
 """
 
-from metal_cluster.stage_worker.attention import PagedAttention
+from metal_cluster.stage_worker.step.attention import PagedAttention
 from metal_cluster.stage_worker.families.base import Family
 
 

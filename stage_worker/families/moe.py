@@ -6,7 +6,7 @@ is Qwen3's; GLM-4.5's rotates part of each head (its nn.RoPE has fewer dims than
 normalises q/k only with `use_qk_norm`; Mixtral names its head counts differently.
 """
 
-from metal_cluster.stage_worker.attention import PagedAttention
+from metal_cluster.stage_worker.step.attention import PagedAttention
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.families.base import Family
 

@@ -14,7 +14,7 @@ from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from metal_cluster.kernels import gated_delta
 
-from metal_cluster.stage_worker.attention import PagedAttention
+from metal_cluster.stage_worker.step.attention import PagedAttention
 from metal_cluster.stage_worker.families.base import Family, LayerCache
 
 

@@ -1,0 +1,1 @@
+"""What metal-cluster adds to vLLM's HTTP server: admission limits, cluster routes, the dashboard."""

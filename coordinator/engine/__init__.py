@@ -1,0 +1,1 @@
+"""What runs inside vLLM's engine: the platform plugin, the executor, the scheduler, the KV specs."""

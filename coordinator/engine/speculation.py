@@ -1,0 +1,95 @@
+"""`--speculative-config` as metal-cluster can serve it, checked before vLLM starts: a config it
+cannot honour stops `serve` / `up` with one line naming the problem, instead of a server that
+silently does not speculate, or vLLM's tracebacks from two processes.
+
+Served: `ngram` (prompt lookup; drafts made in the scheduler, verified on the last stage).
+"""
+
+import json
+from pathlib import Path
+
+from metal_cluster.stage_worker.model.model_source import text_config
+
+FLAG = "--speculative-config"
+SERVED = ("ngram",)
+
+
+def flag_value(args: list[str]) -> str | None:
+    """The last --speculative-config value in vLLM's arguments (argparse keeps the last)."""
+    value = None
+    for i, a in enumerate(args):
+        if a == FLAG and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(FLAG + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def problem(args: list[str], model_folder: Path) -> str | None:
+    """What is wrong with the speculative config in `args` for this model, or None."""
+    raw = flag_value(args)
+    if raw is None:
+        return None
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return f"{FLAG} is not JSON ({e.msg}): give e.g. '{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}'"
+    if not isinstance(config, dict):
+        return f"{FLAG} must be a JSON object, e.g. '{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}'"
+    method = _method(config)
+    target = _config(model_folder)
+    if method == "draft_model":
+        return _draft_problem(config.get("model"), target, model_folder)
+    if method not in SERVED:
+        return (f"{FLAG}: method {method!r} is not served by metal-cluster; use \"ngram\" (prompt lookup, "
+                "with num_speculative_tokens and optionally prompt_lookup_min/max)")
+    k = config.get("num_speculative_tokens")
+    if not isinstance(k, int) or k < 1:
+        return f"{FLAG}: \"ngram\" needs num_speculative_tokens, a whole number >= 1 (how many tokens to guess)"
+    return _model_problem(target, model_folder)
+
+
+def _method(config: dict) -> str | None:
+    """vLLM's reading: no method but a model means a draft model, unless the model is "ngram"."""
+    method, model = config.get("method"), config.get("model")
+    if method is None and model is not None:
+        return "ngram" if model in ("ngram", "[ngram]") else "draft_model"
+    return method
+
+
+def _config(folder: Path) -> dict:
+    try:
+        return text_config(json.loads((Path(folder) / "config.json").read_text()))
+    except (OSError, ValueError):
+        return {}
+
+
+def _vocab(config: dict) -> int | None:
+    return config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+
+
+def _draft_problem(draft, target: dict, model_folder: Path) -> str:
+    if not draft:
+        return f"{FLAG}: \"draft_model\" needs \"model\", the draft's folder"
+    draft_config = _config(Path(draft))
+    if not draft_config:
+        return f"{FLAG}: the draft model {draft} is not a model folder with a config.json"
+    if _vocab(draft_config) != _vocab(target):
+        return (f"{FLAG}: the draft model {draft} has a vocabulary of {_vocab(draft_config)} tokens, "
+                f"{Path(model_folder).name} has {_vocab(target)}: a draft must use the target's tokenizer")
+    return f"{FLAG}: method \"draft_model\" is not served by metal-cluster yet; use \"ngram\" (prompt lookup)"
+
+
+def _model_problem(target: dict, model_folder: Path) -> str | None:
+    """Rejected drafts leave KV behind that the next step overwrites; a recurrent layer's state
+    cannot be rolled back that way."""
+    from metal_cluster.stage_worker.families import family_of
+
+    try:
+        caches = family_of(target, str(model_folder)).layer_caches(target)
+    except Exception:
+        return None  # the model's own problem; the engine's start names it
+    if any(c.state_shapes for c in caches):
+        return (f"{FLAG}: {Path(model_folder).name} ({target.get('model_type')}) has recurrent layers, whose "
+                "state cannot take back rejected drafts: serve it without speculative decoding")
+    return None

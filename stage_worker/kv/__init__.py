@@ -1,0 +1,1 @@
+"""The paged KV pool: its arrays, its layout over KV cache groups, and the memory budget it gets."""

@@ -1,0 +1,82 @@
+"""Paged attention for mlx-lm's attention modules.
+
+mlx-lm's decoder blocks are reused as they are (norms, MLP or experts, residuals); only their
+`self_attn` is wrapped, so that K/V go to the paged pool and attention reads it. The wrapped
+module's own projections, q/k norms and RoPE do the rest; its family (`families/`) says what its
+head counts, scale, window and sinks are called.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from metal_cluster.kernels import paged_attention
+from metal_cluster.stage_worker.step.compiled import CompileSwitch, Traced
+
+
+class LayerContext:
+    """What one layer needs from the step: positions, its KV cache group's slots and attention
+    metadata, and its KV pool."""
+
+    def __init__(self, batch, pool, layer_index: int):
+        self.batch = batch
+        self.pool = pool
+        self.layer_index = layer_index
+        tables = batch.groups[pool.layout.groups[layer_index]]
+        self.slots, self.attn, self.state = tables.slot_mapping, tables.attn, tables.state
+
+
+class PagedAttention(nn.Module):
+    def __init__(self, inner: nn.Module, n_heads: int, n_kv_heads: int, scale: float,
+                 sliding_window: int | None = None, sinks: mx.array | None = None):
+        super().__init__()
+        self.inner = inner
+        self.n_heads, self.n_kv_heads, self.scale = n_heads, n_kv_heads, scale
+        self.sliding_window = sliding_window
+        self.has_sinks = sinks is not None  # the sinks stay a parameter of `inner`
+        # Plain attributes, not entries of the module tree: the stage's switch (`compiled.attach`)
+        # and the parts around attention, through mx.compile while it is on.
+        object.__setattr__(self, "switch", CompileSwitch())
+        object.__setattr__(self, "traced_qkv", Traced(self._qkv, self))
+        object.__setattr__(self, "traced_out", Traced(self._out, self))
+
+    def __call__(self, x: mx.array, mask=None, cache: LayerContext = None) -> mx.array:
+        q, k, v = self.traced_qkv(x, cache.batch.positions)
+        return self.traced_out(self.attend_prepared(q, k, v, cache))
+
+    def _qkv(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        a = self.inner
+        return self.prepare(a.q_proj(x), a.k_proj(x), a.v_proj(x), positions)
+
+    def _out(self, attended: mx.array) -> mx.array:
+        return self.inner.o_proj(attended.reshape(1, attended.shape[0], -1))  # one packed row, as x came
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: LayerContext) -> mx.array:
+        """The packed batch's projected queries, keys and values -> [total_q, heads, head_dim]:
+        norms, RoPE, K/V into the pool, paged attention over it."""
+        return self.attend_prepared(*self.prepare(q, k, v, cache.batch.positions), cache)
+
+    def prepare(self, q: mx.array, k: mx.array, v: mx.array, positions: mx.array):
+        """Projections -> per-head queries, keys and values, normed and roped."""
+        a = self.inner
+        tokens = positions.shape[0]
+        q = q.reshape(tokens, self.n_heads, -1)
+        k = k.reshape(tokens, self.n_kv_heads, -1)
+        v = v.reshape(tokens, self.n_kv_heads, -1)
+        if hasattr(a, "q_norm"):
+            q = a.q_norm(q)
+        if hasattr(a, "k_norm"):
+            k = a.k_norm(k)
+        return _rope(a.rope, q, positions), _rope(a.rope, k, positions), v
+
+    def attend_prepared(self, q: mx.array, k: mx.array, v: mx.array, cache: LayerContext) -> mx.array:
+        """K/V into the pool, paged attention over it."""
+        a = self.inner
+        cache.pool.write(cache.layer_index, cache.slots, k, v)
+        k_pool, v_pool = cache.pool.layer(cache.layer_index)
+        sinks = a.sinks if self.has_sinks else None
+        return paged_attention(q, k_pool, v_pool, cache.attn, self.scale, self.sliding_window, sinks=sinks)
+
+
+def _rope(rope, x, positions):
+    # Each token is its own batch row of length 1, so RoPE takes a per-token offset array.
+    return rope(x[:, :, None, :], offset=positions)[:, :, 0, :]

@@ -16,6 +16,7 @@ import psutil
 
 from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.stage_worker import memory
+from metal_cluster.stage_worker.draft import DraftModel
 from metal_cluster.stage_worker.dtypes import dtype_name, from_name
 from metal_cluster.stage_worker.auth import resolve_token
 from metal_cluster.stage_worker.fetch import FetchProgress, fetch_stage, weights_room
@@ -50,6 +51,7 @@ class StageHost:
         self.state = "idle"
         self.phase = ""  # what assign/start is doing now, for progress (Health)
         self.shard = None
+        self.draft: DraftModel | None = None  # speculative decoding's draft model (last stage only)
         self.runner: StageRunner | None = None
         self.ring: Ring | None = None
         self.block_size = 0
@@ -81,9 +83,13 @@ class StageHost:
             self.phase = "fetching weights" if req.model_store else "loading weights"
             try:
                 self.shard = self._load(req)
-                loaded = time.perf_counter()
                 self.block_size = req.block_size
                 weights = sum(v.nbytes for v in _params(self.shard.model))
+                if req.spec_draft_model and self.shard.is_last:
+                    self.phase = "loading the draft model"
+                    self.draft = DraftModel.load(req.spec_draft_model, req.spec_num_draft_tokens)
+                    weights += self.draft.weights_bytes
+                loaded = time.perf_counter()
                 if req.activation_bytes_known > 0:  # a re-plan: this worker measured it for the last plan
                     activation = req.activation_bytes_known
                 else:
@@ -105,6 +111,8 @@ class StageHost:
                 dtype=dtype_name(self.dtype),
                 load_seconds=loaded - began,
                 warm_up_seconds=warmed - loaded,
+                spec_draft_bytes_per_block=self.draft.bytes_per_block(self.block_size) if self.draft else 0,
+                spec_draft_weights_bytes=self.draft.weights_bytes if self.draft else 0,
             )
 
     def _load(self, req: pb.AssignRequest):
@@ -132,9 +140,12 @@ class StageHost:
                 layout = KVLayout.of_stage([list(g.ids) for g in req.kv_groups], self.shard.start, self.shard.end,
                                            self.shard.family.layer_caches(self.shard.config))
                 pool_bytes = req.num_blocks * bytes_per_block(self.shard.caches, self.block_size, self.dtype, layout)
+                if self.draft is not None:
+                    pool_bytes += req.num_blocks * self.draft.bytes_per_block(self.block_size)
                 self.phase = f"allocating the KV pool ({pool_bytes / 2**30:.2f} GiB)"
                 began = time.perf_counter()
-                self.runner = StageRunner(self.shard, self._allocate(req.num_blocks, layout))
+                self.runner = StageRunner(self.shard, self._allocate(req.num_blocks, layout),
+                                          self._allocate_draft(req.num_blocks, layout))
                 allocated = time.perf_counter() - began
             finally:
                 self.phase = ""
@@ -253,6 +264,17 @@ class StageHost:
     def _allocate(self, num_blocks: int, layout: KVLayout | None = None) -> KVPool:
         return KVPool.allocate(self.shard.caches, num_blocks, self.block_size, self.dtype, layout)
 
+    def _allocate_draft(self, num_blocks: int, layout: KVLayout | None = None) -> DraftModel | None:
+        """The draft's own pool; its KV follows the block tables of the target's first
+        full-attention group (a sliding group's tables drop the blocks behind the window)."""
+        if self.draft is None:
+            return None
+        windows = layout.windows if layout else (None,)
+        full = [g for g, (w, r) in enumerate(zip(windows, layout.recurrent if layout else (False,))) if not w and not r]
+        if not full:
+            raise StageStateError("a draft model needs a full-attention KV cache group in the target")
+        return self.draft.allocate(num_blocks, self.block_size, full[0])
+
     def _activation_peak(self, num_tokens: int) -> int:
         """Activation bytes of a num_tokens prefill. Past WARM_UP_TOKENS, two small prefills fit
         a*n + c*n^2 (linear layers, and attention scores where attention materialises them) and the
@@ -276,8 +298,10 @@ class StageHost:
         """One local prefill of num_tokens on a throw-away pool (no ring): activation bytes."""
         if num_tokens <= 0:
             return 0
-        blocks = -(-num_tokens // self.block_size) + 1
-        runner = StageRunner(self.shard, self._allocate(blocks))
+        # With a draft model the prompt's token and the drafts after it need room too.
+        ahead = 1 + self.draft.k if self.draft is not None else 0
+        blocks = -(-(num_tokens + ahead) // self.block_size) + 1
+        runner = StageRunner(self.shard, self._allocate(blocks), self._allocate_draft(blocks))
         mx.reset_peak_memory()
         base = mx.get_active_memory()
         step = pb.StepRequest(version=PROTO_VERSION)

@@ -18,6 +18,7 @@ from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.stage_worker import memory
 from metal_cluster.stage_worker.draft import DraftModel
 from metal_cluster.stage_worker.dtypes import dtype_name, from_name
+from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.auth import resolve_token
 from metal_cluster.stage_worker.fetch import FetchProgress, fetch_stage, weights_room
 from metal_cluster.stage_worker.kv_layout import KVLayout
@@ -87,7 +88,7 @@ class StageHost:
                 weights = sum(v.nbytes for v in _params(self.shard.model))
                 if req.spec_draft_model and self.shard.is_last:
                     self.phase = "loading the draft model"
-                    self.draft = DraftModel.load(req.spec_draft_model, req.spec_num_draft_tokens)
+                    self.draft = self._load_draft(req)
                     weights += self.draft.weights_bytes
                 loaded = time.perf_counter()
                 if req.activation_bytes_known > 0:  # a re-plan: this worker measured it for the last plan
@@ -121,6 +122,16 @@ class StageHost:
         fetched = fetch_stage(req.model_store, req.manifest_sha256, req.layer_start, req.layer_end,
                               self.token or resolve_token(), self.fetch, cache_limit=self.cache_limit)
         return load_shard(resolve_model(fetched.folder), req.layer_start, req.layer_end, fetched.tensors)
+
+    def _load_draft(self, req: pb.AssignRequest) -> DraftModel:
+        try:
+            return DraftModel.load(req.spec_draft_model, req.spec_num_draft_tokens)
+        except ModelLoadError as e:
+            if not req.model_store:
+                raise
+            # Weights travel with the plan for the target only (model_store.py): not for a draft yet.
+            raise ModelLoadError(f"{e}; this worker fetches its layers from the coordinator, but a draft model "
+                                 f"does not travel: put it at {req.spec_draft_model} on this host too") from None
 
     def weights_room(self, req: pb.WeightsRoomRequest) -> pb.WeightsRoomResponse:
         check_version(req.version)

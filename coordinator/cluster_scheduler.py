@@ -23,7 +23,8 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
 from metal_cluster.coordinator.cluster_control import CONTROL_KEY
-from metal_cluster.coordinator.ngram import ModelDrafter, NgramDrafter
+from metal_cluster.coordinator.model_drafts import ModelDrafter
+from metal_cluster.coordinator.ngram import NgramDrafter
 
 HOLD_POLL_S = 0.05
 

@@ -1,4 +1,4 @@
-"""Where the scheduler's drafts come from. Prompt-lookup drafts (vLLM's `ngram` speculative method): when the last n tokens of a request
+"""Prompt-lookup drafts (vLLM's `ngram` speculative method): when the last n tokens of a request
 occurred before in its history, guess that what followed them then follows them now.
 
 vLLM's own proposer (v1/spec_decode/ngram_proposer.py) needs numba and runs inside vLLM's GPU
@@ -62,27 +62,3 @@ def room(request, k: int, max_model_len: int) -> int:
     """How many drafts a running request's next step may verify: none past its max_tokens (the
     step's own token comes on top) or the model's length."""
     return min(k, request.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens - 1)
-
-
-@dataclass(frozen=True)
-class ModelDrafter:
-    """vLLM's `draft_model` method: the drafts come from the last stage, where the draft model
-    runs, in the output of the step they extend (`StepResponse.spec_drafts`)."""
-
-    k: int
-    max_model_len: int
-
-    @classmethod
-    def from_config(cls, speculative_config, max_model_len: int) -> "ModelDrafter | None":
-        if speculative_config is None or speculative_config.method != "draft_model":
-            return None
-        return cls(speculative_config.num_speculative_tokens, max_model_len)
-
-    def drafts(self, request, output) -> list[int]:
-        proposed = (getattr(output, "spec_drafts", None) or {}).get(request.request_id)
-        if proposed is None:
-            return []
-        after, tokens = proposed
-        if after != request.num_tokens:  # made for another history (vLLM cut the output short)
-            return []
-        return tokens[: max(0, room(request, self.k, self.max_model_len))]

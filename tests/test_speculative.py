@@ -175,7 +175,8 @@ def test_a_bad_draft_model_stops_the_server_at_start(llama_model, tmp_path):
     def problem(config, model=llama_model):
         return speculation.problem(["--speculative-config", json.dumps(config)], model)
     spec = {"method": "draft_model", "num_speculative_tokens": 2}
-    assert f"the draft model: model not found: {tmp_path / 'nowhere'}" in problem({**spec, "model": str(tmp_path / "nowhere")})
+    nowhere = tmp_path / "nowhere"
+    assert f"the draft model: model not found: {nowhere}" in problem({**spec, "model": str(nowhere)})
     assert "needs \"model\"" in problem(spec)
     assert "num_speculative_tokens" in problem({"method": "draft_model", "model": str(llama_model)})
     assert "draft_sample_method" in problem({**spec, "model": str(llama_model), "draft_sample_method": "probabilistic"})

@@ -189,3 +189,20 @@ def test_a_bad_draft_model_stops_the_server_at_start(llama_model, tmp_path):
     args = ["--max-model-len", "64", "--speculative-config=" + json.dumps({**spec, "model": str(llama_model)})]
     out = speculation.with_draft_folder(args)
     assert out[:2] == args[:2] and json.loads(out[-1])["model"] == str(llama_model) and len(out) == 4
+
+
+def test_a_draft_models_drafts_reach_the_scheduler_only_for_the_history_they_follow():
+    from types import SimpleNamespace
+
+    from metal_cluster.coordinator.model_drafts import ModelDrafter
+
+    drafter = ModelDrafter(k=3, max_model_len=64)
+
+    def request(num_tokens=10, max_tokens=20, num_output_tokens=5):
+        return SimpleNamespace(request_id="a", num_tokens=num_tokens, max_tokens=max_tokens,
+                               num_output_tokens=num_output_tokens)
+    output = SimpleNamespace(spec_drafts={"a": (10, [4, 5, 6])})
+    assert drafter.drafts(request(), output) == [4, 5, 6]
+    assert drafter.drafts(request(num_tokens=11), output) == []  # vLLM kept another history
+    assert drafter.drafts(request(max_tokens=7), output) == [4]  # one more token fits after this step's
+    assert drafter.drafts(request(num_tokens=10), SimpleNamespace(spec_drafts=None)) == []

@@ -121,7 +121,7 @@ def test_a_bad_speculative_config_stops_the_server_at_start(llama_model, tmp_pat
 
 def test_a_draft_models_drafts_keep_the_sampled_distribution(llama_model):
     """The last stage's draft model (here the target itself, so its greedy draft is the target's
-    most likely token) drafts; the step after verifies with the same rule as n-gram drafts. 400
+    most likely token) drafts; the step after verifies with the same rule as n-gram drafts. 300
     seeded requests at temperature 1, top_k 5: the token after the most common first one follows
     the target's distribution (chi-square, df 4, p = 1e-4), and the draft is kept only as often as
     the target picks it."""
@@ -134,7 +134,7 @@ def test_a_draft_models_drafts_keep_the_sampled_distribution(llama_model):
     from metal_cluster.stage_worker.runner import StageRunner
     from metal_cluster.stage_worker.shard import load_shard
 
-    n, prompt = 400, [7]
+    n, prompt = 300, [7]
     shard = load_shard(resolve_model(llama_model))
     draft = DraftModel.load(str(llama_model), 2).allocate(n + 1, 16)
     runner = StageRunner(shard, KVPool.allocate(shard.caches, n + 1, 16, shard.dtype), draft)

@@ -206,3 +206,18 @@ def test_a_draft_models_drafts_reach_the_scheduler_only_for_the_history_they_fol
     assert drafter.drafts(request(num_tokens=11), output) == []  # vLLM kept another history
     assert drafter.drafts(request(max_tokens=7), output) == [4]  # one more token fits after this step's
     assert drafter.drafts(request(num_tokens=10), SimpleNamespace(spec_drafts=None)) == []
+
+
+def test_a_gguf_draft_reaches_vllm_as_its_folder(llama_model):
+    """The embedded SmolLM2 GGUF as a draft: of its own vocabulary it is served (vLLM reads the
+    folder derived from it, the stage maps that back to the file); beside a tiny model it is refused."""
+    from metal_cluster.stage_worker.model_source import default_model_gguf, resolve_model
+
+    gguf = default_model_gguf()
+    config = {"method": "draft_model", "model": str(gguf), "num_speculative_tokens": 2}
+    args = ["--speculative-config", json.dumps(config)]
+    target = resolve_model(None).folder
+    assert speculation.problem(args, target) is None
+    folder = json.loads(speculation.with_draft_folder(args)[-1])["model"]
+    assert resolve_model(folder).gguf == gguf.resolve()
+    assert "a draft must use the target's tokenizer" in speculation.problem(args, llama_model)

@@ -17,7 +17,7 @@ The KV it wrote for its own drafts stays valid for as many of them as the target
 steady state step 1 runs one or two tokens per request.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -57,7 +57,7 @@ class DraftModel:
     group: int = 0  # the target's KV cache group (a full-attention one) whose block tables the draft uses
     pool: KVPool | None = None
     block_size: int = 0
-    weights_bytes: int = field(default=0)
+    weights_bytes: int = 0
 
     @classmethod
     def load(cls, path: str, k: int) -> "DraftModel":

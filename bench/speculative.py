@@ -1,12 +1,19 @@
-"""n-gram speculative decoding vs none, side by side in one run: output tokens/s on a workload whose
+"""Speculative decoding vs none, side by side in one run: output tokens/s on a workload whose
 answers repeat the prompt (edit / proofread a given text), the embedded SmolLM2 over 1 and 3 stages.
 
   .venv/bin/python bench/speculative.py [--stages 1,3] [--concurrency 1,8] [--max-tokens 96] [--workload repeat|free]
+      [--method ngram|draft-self|draft-random]
 
-For each stage count a plain server and an ngram one (`--speculative-config`) run side by side,
-and the measurements alternate between them (plain c=1, ngram c=1, plain c=8, ...; `--repeats`
+For each stage count a plain server and a speculating one (`--speculative-config`) run side by
+side, and the measurements alternate between them (plain c=1, spec c=1, plain c=8, ...; `--repeats`
 times; medians), so a change in the machine's load hits both alike. Every request is greedy and
 streams; the answers must be the same on both sides (checked).
+
+Methods: `ngram` (prompt lookup), or a draft model (`draft_model`) on the last stage: SmolLM2's own
+GGUF as its draft (`draft-self`: every draft accepted, at the price of running the model k more
+times a step: the upper bound of acceptance) or a random 2-layer llama of SmolLM2's vocabulary
+(`draft-random`: nearly every draft rejected, the draft costs next to nothing: the lower bound).
+No small sibling of SmolLM2-135M is available offline.
 """
 
 import argparse
@@ -31,6 +38,7 @@ from server_process import running_server  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+DRAFT_TOKENS = 4
 TEXTS = [
     "The meeting is moved from Tuesday to Thursday at ten o'clock in the small room on the second floor. "
     "Please bring the budget figures for the third quarter and the draft of the new travel policy.",
@@ -90,6 +98,22 @@ def acceptance(url: str) -> tuple[float, float]:
     return (accepted / drafted if drafted else 0.0), (1 + accepted / drafts if drafts else 1.0)
 
 
+def speculative_config(method: str, work: Path) -> dict:
+    if method == "ngram":
+        return NGRAM
+    from metal_cluster.stage_worker.model.model_source import resolve_model
+
+    target = resolve_model(None)
+    if method == "draft-self":
+        draft = target.gguf
+    else:
+        from tiny_models import build_tiny_model
+
+        vocab = target.config["vocab_size"]
+        draft = build_tiny_model("llama", work / "random-draft", num_layers=2, config_overrides={"vocab_size": vocab})
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": DRAFT_TOKENS}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--stages", default="1,3")
@@ -97,6 +121,7 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--workload", choices=("repeat", "free"), default="repeat")
+    parser.add_argument("--method", choices=("ngram", "draft-self", "draft-random"), default="ngram")
     args = parser.parse_args()
     global WORKLOAD
     WORKLOAD = args.workload
@@ -104,13 +129,15 @@ def main():
     print(f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
     rows = []
     with tempfile.TemporaryDirectory() as work:
+        spec_config = speculative_config(args.method, Path(work))
+        print(f"speculative config: {json.dumps(spec_config)}")
         for stages in (int(s) for s in args.stages.split(",")):
             with contextlib.ExitStack() as servers:
                 clients, urls = {}, {}
-                for mode in ("plain", "ngram"):
+                for mode in ("plain", "spec"):
                     extra = ["--max-model-len", "2048", "--max-num-batched-tokens", "512", "--max-num-seqs", "16"]
                     extra += ["-pp", str(stages)] if stages > 1 else []
-                    extra += ["--speculative-config", json.dumps(NGRAM)] if mode == "ngram" else []
+                    extra += ["--speculative-config", json.dumps(spec_config)] if mode == "spec" else []
                     urls[mode] = servers.enter_context(
                         running_server(None, *extra, log_path=Path(work) / f"{mode}-{stages}.log", timeout=900))
                     clients[mode] = openai.OpenAI(base_url=f"{urls[mode]}/v1", api_key="unused", timeout=600,
@@ -119,19 +146,19 @@ def main():
                 results = {}
                 for _ in range(args.repeats):
                     for c in levels:
-                        for mode in ("plain", "ngram"):
+                        for mode in ("plain", "spec"):
                             rate, answers = workload(clients[mode], c, args.max_tokens)
                             results.setdefault((mode, c), []).append(rate)
                             results[mode, c, "answers"] = answers
                             print(f"{stages} stage(s) {mode} c={c}: {rate:.1f} tok/s (load {os.getloadavg()[0]:.1f})",
                                   flush=True)
-                rate, mean = acceptance(urls["ngram"])
+                rate, mean = acceptance(urls["spec"])
             for c in levels:
-                plain, spec = (statistics.median(results[m, c]) for m in ("plain", "ngram"))
-                a, b = results["plain", c, "answers"], results["ngram", c, "answers"]
+                plain, spec = (statistics.median(results[m, c]) for m in ("plain", "spec"))
+                a, b = results["plain", c, "answers"], results["spec", c, "answers"]
                 same = "yes" if a == b else f"no ({sum(x != y for x, y in zip(a, b))} of {len(a)} differ)"
                 rows.append(f"| {stages} | {c} | {plain:.1f} | {spec:.1f} | {spec / plain:.2f}x | {rate:.0%} | {mean:.2f} | {same} |")
-    print("\n| stages | concurrency | plain tok/s | ngram tok/s | ratio | draft acceptance | tokens per draft step | same tokens |")
+    print(f"\n| stages | concurrency | plain tok/s | {args.method} tok/s | ratio | draft acceptance | tokens per draft step | same tokens |")
     print("|---:|---:|---:|---:|---:|---:|---:|---|")
     print("\n".join(rows))
     print(f"load average after: {os.getloadavg()[0]:.1f}")

@@ -273,6 +273,7 @@ def _run_server(source, host, port, utilization, extra, local_stages=0, planned=
     bad_speculation = speculation.problem(extra, source.folder)
     if bad_speculation:
         fail(bad_speculation)
+    extra = speculation.with_draft_folder(extra)
     extra = extra + ["--gpu-memory-utilization", str(utilization)]
     if planned:
         local_stages = sum(1 for s in planned if s.host.local)

@@ -7,6 +7,7 @@ PROTO_VERSION = 7  # 2: Reset, heartbeats; 3: stage dtype, ring wire dtype, stag
 # 5: KV cache groups, start timings, every sampling parameter (logits processors, named-id and prompt
 # logprobs), resumed requests' output tokens; 6: speculative drafts, LoRA and pooling, a re-plan's known
 # activation peak, WeightsRoom (a worker whose cache cannot hold its layers); 7: classify (a sequence
-# classifier's head on the last stage)
+# classifier's head on the last stage), a draft model on the last stage (Assign) and its drafts
+# (StepResponse.spec_drafts)
 
 __all__ = ["pb", "PROTO_VERSION"]

@@ -198,19 +198,31 @@ class PoolingOutput(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., data: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepResponse(_message.Message):
-    __slots__ = ("step_id", "sampled", "prompt_logprobs", "pooled")
+    __slots__ = ("step_id", "sampled", "prompt_logprobs", "pooled", "spec_drafts")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     POOLED_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled: _containers.RepeatedCompositeFieldContainer[SampledToken]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
     pooled: _containers.RepeatedCompositeFieldContainer[PoolingOutput]
-    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PoolingOutput, _Mapping]]] = ...) -> None: ...
+    spec_drafts: _containers.RepeatedCompositeFieldContainer[SpecDraftTokens]
+    def __init__(self, step_id: _Optional[int] = ..., sampled: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., pooled: _Optional[_Iterable[_Union[PoolingOutput, _Mapping]]] = ..., spec_drafts: _Optional[_Iterable[_Union[SpecDraftTokens, _Mapping]]] = ...) -> None: ...
+
+class SpecDraftTokens(_message.Message):
+    __slots__ = ("req_id", "token_ids", "after")
+    REQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    AFTER_FIELD_NUMBER: _ClassVar[int]
+    req_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    after: int
+    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., after: _Optional[int] = ...) -> None: ...
 
 class AssignRequest(_message.Message):
-    __slots__ = ("version", "model", "layer_start", "layer_end", "block_size", "max_num_batched_tokens", "memory_utilization", "model_store", "manifest_sha256", "activation_bytes_known")
+    __slots__ = ("version", "model", "layer_start", "layer_end", "block_size", "max_num_batched_tokens", "memory_utilization", "model_store", "manifest_sha256", "activation_bytes_known", "spec_draft_model", "spec_num_draft_tokens")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +233,8 @@ class AssignRequest(_message.Message):
     MODEL_STORE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_BYTES_KNOWN_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     version: int
     model: str
     layer_start: int
@@ -231,10 +245,12 @@ class AssignRequest(_message.Message):
     model_store: str
     manifest_sha256: str
     activation_bytes_known: int
-    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., memory_utilization: _Optional[float] = ..., model_store: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., activation_bytes_known: _Optional[int] = ...) -> None: ...
+    spec_draft_model: str
+    spec_num_draft_tokens: int
+    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., memory_utilization: _Optional[float] = ..., model_store: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., activation_bytes_known: _Optional[int] = ..., spec_draft_model: _Optional[str] = ..., spec_num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class AssignResponse(_message.Message):
-    __slots__ = ("weights_bytes", "activation_bytes", "bytes_per_block", "kv_budget_bytes", "num_layers", "host_memory_bytes", "dtype", "load_seconds", "warm_up_seconds")
+    __slots__ = ("weights_bytes", "activation_bytes", "bytes_per_block", "kv_budget_bytes", "num_layers", "host_memory_bytes", "dtype", "load_seconds", "warm_up_seconds", "spec_draft_bytes_per_block", "spec_draft_weights_bytes")
     WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     ACTIVATION_BYTES_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +260,8 @@ class AssignResponse(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     WARM_UP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_WEIGHTS_BYTES_FIELD_NUMBER: _ClassVar[int]
     weights_bytes: int
     activation_bytes: int
     bytes_per_block: int
@@ -253,7 +271,9 @@ class AssignResponse(_message.Message):
     dtype: str
     load_seconds: float
     warm_up_seconds: float
-    def __init__(self, weights_bytes: _Optional[int] = ..., activation_bytes: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., load_seconds: _Optional[float] = ..., warm_up_seconds: _Optional[float] = ...) -> None: ...
+    spec_draft_bytes_per_block: int
+    spec_draft_weights_bytes: int
+    def __init__(self, weights_bytes: _Optional[int] = ..., activation_bytes: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., num_layers: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., load_seconds: _Optional[float] = ..., warm_up_seconds: _Optional[float] = ..., spec_draft_bytes_per_block: _Optional[int] = ..., spec_draft_weights_bytes: _Optional[int] = ...) -> None: ...
 
 class StartRequest(_message.Message):
     __slots__ = ("version", "num_blocks", "rank", "world_size", "ring_hostfile", "ring_timeout_s", "wire_dtype", "kv_groups")

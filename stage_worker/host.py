@@ -16,7 +16,9 @@ import psutil
 
 from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.stage_worker.kv import memory
+from metal_cluster.stage_worker.step.draft import DraftModel
 from metal_cluster.stage_worker.model.dtypes import dtype_name, from_name
+from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.net.auth import resolve_token
 from metal_cluster.stage_worker.transfer.fetch import FetchProgress, fetch_stage, weights_room
 from metal_cluster.stage_worker.kv.kv_layout import KVLayout
@@ -54,6 +56,7 @@ class StageHost:
         self.state = "idle"
         self.phase = ""  # what assign/start is doing now, for progress (Health)
         self.shard = None
+        self.draft: DraftModel | None = None  # speculative decoding's draft model (last stage only)
         self.runner: StageRunner | None = None
         self.ring: Ring | None = None
         self.block_size = 0
@@ -85,9 +88,13 @@ class StageHost:
             self.phase = "fetching weights" if req.model_store else "loading weights"
             try:
                 self.shard = self._load(req)
-                loaded = time.perf_counter()
                 self.block_size = req.block_size
                 weights = sum(v.nbytes for v in _params(self.shard.model))
+                if req.spec_draft_model and self.shard.is_last:
+                    self.phase = "loading the draft model"
+                    self.draft = self._load_draft(req)
+                    weights += self.draft.weights_bytes
+                loaded = time.perf_counter()
                 if req.activation_bytes_known > 0:  # a re-plan: this worker measured it for the last plan
                     activation = req.activation_bytes_known
                 else:
@@ -109,6 +116,8 @@ class StageHost:
                 dtype=dtype_name(self.dtype),
                 load_seconds=loaded - began,
                 warm_up_seconds=warmed - loaded,
+                spec_draft_bytes_per_block=self.draft.bytes_per_block(self.block_size) if self.draft else 0,
+                spec_draft_weights_bytes=self.draft.weights_bytes if self.draft else 0,
             )
 
     def _load(self, req: pb.AssignRequest):
@@ -117,6 +126,16 @@ class StageHost:
         fetched = fetch_stage(req.model_store, req.manifest_sha256, req.layer_start, req.layer_end,
                               self.token or resolve_token(), self.fetch, cache_limit=self.cache_limit)
         return load_shard(resolve_model(fetched.folder), req.layer_start, req.layer_end, fetched.tensors)
+
+    def _load_draft(self, req: pb.AssignRequest) -> DraftModel:
+        try:
+            return DraftModel.load(req.spec_draft_model, req.spec_num_draft_tokens)
+        except ModelLoadError as e:
+            if not req.model_store:
+                raise
+            # Weights travel with the plan for the target only (model_store.py): not for a draft yet.
+            raise ModelLoadError(f"{e}; this worker fetches its layers from the coordinator, but a draft model "
+                                 f"does not travel: put it at {req.spec_draft_model} on this host too") from None
 
     def weights_room(self, req: pb.WeightsRoomRequest) -> pb.WeightsRoomResponse:
         check_version(req.version)
@@ -136,9 +155,12 @@ class StageHost:
                 layout = KVLayout.of_stage([list(g.ids) for g in req.kv_groups], self.shard.start, self.shard.end,
                                            self.shard.family.layer_caches(self.shard.config))
                 pool_bytes = req.num_blocks * bytes_per_block(self.shard.caches, self.block_size, self.dtype, layout)
+                if self.draft is not None:
+                    pool_bytes += req.num_blocks * self.draft.bytes_per_block(self.block_size)
                 self.phase = f"allocating the KV pool ({pool_bytes / 2**30:.2f} GiB)"
                 began = time.perf_counter()
-                self.runner = StageRunner(self.shard, self._allocate(req.num_blocks, layout))
+                self.runner = StageRunner(self.shard, self._allocate(req.num_blocks, layout),
+                                          self._allocate_draft(req.num_blocks, layout))
                 allocated = time.perf_counter() - began
             finally:
                 self.phase = ""
@@ -257,6 +279,17 @@ class StageHost:
     def _allocate(self, num_blocks: int, layout: KVLayout | None = None) -> KVPool:
         return KVPool.allocate(self.shard.caches, num_blocks, self.block_size, self.dtype, layout)
 
+    def _allocate_draft(self, num_blocks: int, layout: KVLayout | None = None) -> DraftModel | None:
+        """The draft's own pool; its KV follows the block tables of the target's first
+        full-attention group (a sliding group's tables drop the blocks behind the window)."""
+        if self.draft is None:
+            return None
+        windows = layout.windows if layout else (None,)
+        full = [g for g, (w, r) in enumerate(zip(windows, layout.recurrent if layout else (False,))) if not w and not r]
+        if not full:
+            raise StageStateError("a draft model needs a full-attention KV cache group in the target")
+        return self.draft.allocate(num_blocks, self.block_size, full[0])
+
     def _activation_peak(self, num_tokens: int) -> int:
         """Activation bytes of a num_tokens prefill. Past `warm_up_limit()`, two smaller prefills fit
         a*n + c*n^2 (linear layers, and attention scores where attention materialises them) and the
@@ -281,8 +314,10 @@ class StageHost:
         """One local prefill of num_tokens on a throw-away pool (no ring): activation bytes."""
         if num_tokens <= 0:
             return 0
-        blocks = -(-num_tokens // self.block_size) + 1
-        runner = StageRunner(self.shard, self._allocate(blocks))
+        # With a draft model the prompt's token and the drafts after it need room too.
+        ahead = 1 + self.draft.k if self.draft is not None else 0
+        blocks = -(-(num_tokens + ahead) // self.block_size) + 1
+        runner = StageRunner(self.shard, self._allocate(blocks), self._allocate_draft(blocks))
         mx.reset_peak_memory()
         base = mx.get_active_memory()
         step = pb.StepRequest(version=PROTO_VERSION)

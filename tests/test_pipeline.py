@@ -10,7 +10,7 @@ from mlx_lm.utils import load
 
 from references import mlx_lm_greedy, mlx_lm_masked_greedy, smollm2_reference
 from server_process import running_server
-from test_speculative import FEW, NGRAM, accepted_drafts
+from test_speculative import FEW, NGRAM, accepted_drafts, draft_model, spec_counts
 
 PROMPTS = [
     "Hello world, this is a test",
@@ -56,9 +56,10 @@ def _check_stop_string_and_grammar(client, ids):
 
 @pytest.mark.parametrize("stages", [2, 3])
 def test_stages_match_mlx_lm(tiny_model, stages, tmp_path):
-    """With n-gram speculation on (llama's 2-stage run has LoRA adapters instead): the steps of
-    requests without drafts are the plain path; the few-token prompts draft, and their output must
-    still be greedy's, token for token."""
+    """With speculation on (llama's 2-stage run has LoRA adapters instead; llama's 3-stage run drafts
+    with a draft model, the target itself, qwen2's 2-stage one with a random draft model, the others
+    with n-grams): the few-token prompts draft (n-grams), every request drafts with a draft model,
+    and their output must still be greedy's, token for token."""
     ref_model, tokenizer = load(str(tiny_model))
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     expected = [mlx_lm_greedy(ref_model, ids, 10) for ids in prompts]
@@ -72,7 +73,9 @@ def test_stages_match_mlx_lm(tiny_model, stages, tmp_path):
         lora = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
                 "--lora-modules", f"alpha={adapters['alpha']}", f"beta={adapters['beta']}"]
     # vLLM's LoRA wants --max-num-seqs x (1 + drafts) batched tokens: the LoRA run goes without drafts.
-    spec = [] if with_lora else ["--speculative-config", NGRAM]
+    family = json.loads((tiny_model / "config.json").read_text())["model_type"]
+    drafter = {("llama", 3): "self", ("qwen2", 2): "random"}.get((family, stages))
+    spec = [] if with_lora else ["--speculative-config", _speculative_config(drafter, tiny_model, tmp_path)]
     with running_server(tiny_model, *ARGS, "-pp", str(stages), *spec, *lora, log_path=tmp_path / "server.log") as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -80,7 +83,12 @@ def test_stages_match_mlx_lm(tiny_model, stages, tmp_path):
             got = list(pool.map(lambda ids: greedy(client, ids, 10), prompts))
             assert [d.result() for d in drafting] == few
         assert got == expected
-        assert with_lora or accepted_drafts(url) > 0
+        drafted, accepted = spec_counts(url)
+        assert with_lora or drafted > 0
+        if drafter == "self":  # the target as its own draft: every draft is the target's own choice
+            assert accepted >= 0.9 * drafted
+        elif drafter is None:
+            assert with_lora or accepted > 0
         if tiny_model.name.startswith("llama") and not with_lora:  # one family is enough for the grammar and stop strings
             _check_stop_string_and_grammar(client, prompts[0])
         # A prefix-cache hit: the long prompt again, now with more after it.
@@ -94,6 +102,18 @@ def test_stages_match_mlx_lm(tiny_model, stages, tmp_path):
         with open(tmp_path / "server.log") as log:
             text = log.read()
         assert f"{stages} local stage workers up" in text
+
+
+def _speculative_config(drafter: str | None, model, tmp_path) -> str:
+    """n-gram drafts, or a draft model on the last stage: the target itself (all accepted) or a
+    random llama of the same vocabulary, smaller (almost all rejected)."""
+    if drafter is None:
+        return NGRAM
+    if drafter == "self":
+        return draft_model(model)
+    from tiny_models import build_tiny_model
+
+    return draft_model(build_tiny_model("llama", tmp_path / "draft", num_layers=2, seed=7))
 
 
 def _check_sampling_across_stages(client, ref_model, ids):

@@ -16,7 +16,7 @@ from mlx_lm.utils import load
 
 from references import mlx_lm_greedy, mlx_lm_masked_greedy, smollm2_reference
 from server_process import running_server
-from test_speculative import FEW as FEW_TOKENS, NGRAM, accepted_drafts
+from test_speculative import FEW as FEW_TOKENS, NGRAM, accepted_drafts, draft_model
 
 MAX_MODEL_LEN = 512
 COMMON = ["--gpu-memory-utilization", "0.05", "--max-model-len", str(MAX_MODEL_LEN),
@@ -576,11 +576,12 @@ def test_fuzzed_api_gives_no_server_error_and_leaks_nothing(client, tiny_server,
     assert answer.usage.completion_tokens == 4
 
 
-# --- speculative decoding (method ngram) beside the plain server above ------------------------------
-@pytest.fixture(scope="module")
-def ngram(llama_model, tmp_path_factory):
-    log = tmp_path_factory.mktemp("ngram") / "server.log"
-    with running_server(llama_model, *COMMON, "--served-model-name", "tiny", "--speculative-config", NGRAM,
+# --- speculative decoding (ngram; a draft model, the target itself) beside the plain server above ---------
+@pytest.fixture(scope="module", params=["ngram", "draft_model"])
+def speculating(request, llama_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp(request.param) / "server.log"
+    config = NGRAM if request.param == "ngram" else draft_model(llama_model)
+    with running_server(llama_model, *COMMON, "--served-model-name", "tiny", "--speculative-config", config,
                         log_path=log) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0), url
 
@@ -591,8 +592,8 @@ def _greedy(client, prompt, n, **extra):
                                      extra_body={"ignore_eos": True, "return_token_ids": True, **extra}).choices[0]
 
 
-def test_greedy_with_ngram_is_greedy_without(ngram, llama_model):
-    spec, url = ngram
+def test_greedy_with_speculation_is_greedy_without(speculating, llama_model):
+    spec, url = speculating
     ref, tokenizer = load(str(llama_model))
     prompts = [tokenizer.encode(p) for p in ("Hello world, this is a test", "The quick brown fox jumps over",
                                              "A B A B A B A B", "Tea or coffee?")]
@@ -614,8 +615,8 @@ def test_greedy_with_ngram_is_greedy_without(ngram, llama_model):
     assert seen["accepted_tokens"] >= 20 and 0 < seen["acceptance_rate"] <= 1 and seen["mean_accepted_length"] > 1
 
 
-def test_ngram_json_schema_and_stop_string_mid_draft_match_plain(client, ngram, llama_model):
-    plain, (spec, url) = client, ngram
+def test_speculation_json_schema_and_stop_string_mid_draft_match_plain(client, speculating, llama_model):
+    plain, (spec, url) = client, speculating
     before = accepted_drafts(url)
     schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red red red red", "blue"]},
                                                "count": {"type": "integer"}},

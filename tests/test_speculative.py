@@ -1,7 +1,7 @@
-"""Speculative decoding (`--speculative-config`, method ngram): the n-gram rule, sampling keeps its
-distribution, a config that cannot be served stops the server at start with one line. Greedy with
-ngram equals greedy without through a server: single node in test_serve.py (beside its plain
-server), 2 and 3 stages in test_pipeline.py."""
+"""Speculative decoding (`--speculative-config`, methods ngram and draft_model): the n-gram rule,
+sampling keeps its distribution (a draft model's drafts too), a config that cannot be served stops
+the server at start with one line. Greedy with speculation equals greedy without through a server:
+single node in test_serve.py (beside its plain server), 2 and 3 stages in test_pipeline.py."""
 
 import json
 import subprocess
@@ -25,6 +25,13 @@ NGRAM = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_look
 FEW = [5, 6, 7, 8]
 
 
+def draft_model(model) -> str:
+    """--speculative-config for a draft model: the target itself accepts every draft (multi-token
+    accepts, the draft's KV catching up), another random model of the same vocabulary almost none
+    (rollback)."""
+    return json.dumps({"method": "draft_model", "model": str(model), "num_speculative_tokens": 3})
+
+
 def test_ngram_proposals_follow_the_longest_earliest_match():
     t = np.array
     assert propose(t([1, 2, 3, 9, 1, 2, 3]), 1, 3, 2) == [9, 1]  # "1 2 3" seen before: what followed it
@@ -35,10 +42,17 @@ def test_ngram_proposals_follow_the_longest_earliest_match():
 
 
 def accepted_drafts(url) -> float:
+    return spec_counts(url)[1]
+
+
+def spec_counts(url) -> tuple[float, float]:
+    """vLLM's counters: draft tokens verified, and accepted."""
     with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
         text = r.read().decode()
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("vllm:spec_decode_num_accepted_tokens_total"))
+
+    def total(name):
+        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+    return total("vllm:spec_decode_num_draft_tokens_total"), total("vllm:spec_decode_num_accepted_tokens_total")
 
 
 def _chi_square(tokens: np.ndarray, p: np.ndarray) -> float:
@@ -103,3 +117,107 @@ def test_a_bad_speculative_config_stops_the_server_at_start(llama_model, tmp_pat
     assert speculation.problem(["--speculative-config=" + NGRAM], llama_model) is None
     hybrid = tiny_models.build_tiny_model("qwen3_next", tmp_path / "hybrid")
     assert "recurrent layers" in speculation.problem(["--speculative-config", NGRAM], hybrid)
+
+
+def test_a_draft_models_drafts_keep_the_sampled_distribution(llama_model):
+    """The last stage's draft model (here the target itself, so its greedy draft is the target's
+    most likely token) drafts; the step after verifies with the same rule as n-gram drafts. 300
+    seeded requests at temperature 1, top_k 5: the token after the most common first one follows
+    the target's distribution (chi-square, df 4, p = 1e-4), and the draft is kept only as often as
+    the target picks it."""
+    from mlx_lm.utils import load
+
+    from metal_cluster.proto import PROTO_VERSION
+    from metal_cluster.stage_worker.step.draft import DraftModel
+    from metal_cluster.stage_worker.model.model_source import resolve_model
+    from metal_cluster.stage_worker.kv.paged_kv import KVPool
+    from metal_cluster.stage_worker.step.runner import StageRunner
+    from metal_cluster.stage_worker.model.shard import load_shard
+
+    n, prompt = 300, [7]
+    shard = load_shard(resolve_model(llama_model))
+    draft = DraftModel.load(str(llama_model), 2).allocate(n + 1, 16)
+    runner = StageRunner(shard, KVPool.allocate(shard.caches, n + 1, 16, shard.dtype), draft)
+    first = pb.StepRequest(version=PROTO_VERSION, step_id=0)
+    for i in range(n):
+        first.new_requests.add(req_id=f"r{i}", prompt_token_ids=prompt, block_ids=[i + 1],
+                               sampling=pb.SamplingParams(temperature=1.0, top_k=5, seed=i))
+        first.scheduled.add(req_id=f"r{i}", num_tokens=len(prompt))
+    out = runner.step(first)
+    tokens = {r: s.token_id for r, s in out.sampled.items()}
+    drafts = {d.req_id: list(d.token_ids) for d in out.spec_drafts}
+    assert set(drafts) == set(tokens) and all(len(d) == 2 for d in drafts.values())
+    second = pb.StepRequest(version=PROTO_VERSION, step_id=1)
+    for r, token in tokens.items():
+        second.cached_requests.add(req_id=r, num_computed_tokens=len(prompt), new_token_ids=[token])
+        second.scheduled.add(req_id=r, num_tokens=1 + len(drafts[r]), draft_token_ids=drafts[r])
+    out = runner.step(second)
+    top = max(set(tokens.values()), key=list(tokens.values()).count)
+    group = [r for r in tokens if tokens[r] == top]
+    assert len(group) > 150
+    after = np.array([(out.accepted[r] or [out.sampled[r]])[0].token_id for r in group])
+    ref, _ = load(str(llama_model))
+    logits = np.array(ref(mx.array([prompt + [top]]))[0, -1].astype(mx.float32))
+    best = np.argsort(logits)[-5:]
+    p = np.zeros(len(logits))
+    p[best] = np.exp(logits[best] - logits[best].max())
+    p /= p.sum()
+    guess = {drafts[r][0] for r in group}
+    assert guess == {int(np.argmax(logits))}  # the draft model proposed what the target likes best
+    assert _chi_square(after, p) < 23.5
+    kept = np.mean([bool(out.accepted[r]) for r in group])
+    assert abs(kept - p[guess.pop()]) < 0.1
+    assert 0 < kept < 1  # some drafts kept, some rejected: both ways through the rule
+
+
+def test_a_bad_draft_model_stops_the_server_at_start(llama_model, tmp_path):
+    """One line each, before vLLM starts (speculation.problem is what `serve` and `up` run)."""
+    def problem(config, model=llama_model):
+        return speculation.problem(["--speculative-config", json.dumps(config)], model)
+    spec = {"method": "draft_model", "num_speculative_tokens": 2}
+    nowhere = tmp_path / "nowhere"
+    assert f"the draft model: model not found: {nowhere}" in problem({**spec, "model": str(nowhere)})
+    assert "needs \"model\"" in problem(spec)
+    assert "num_speculative_tokens" in problem({"method": "draft_model", "model": str(llama_model)})
+    assert "draft_sample_method" in problem({**spec, "model": str(llama_model), "draft_sample_method": "probabilistic"})
+    assert problem({**spec, "model": str(llama_model)}) is None
+    assert problem({"model": str(llama_model), "num_speculative_tokens": 2}) is None  # vLLM's reading: a draft model
+    hybrid = tiny_models.build_tiny_model("qwen3_next", tmp_path / "hybrid")
+    assert "recurrent layers" in problem({**spec, "model": str(llama_model)}, hybrid)  # the target
+    assert "recurrent layers" in problem({**spec, "model": str(hybrid)})  # the draft
+    # A draft named as a .gguf or a folder reaches vLLM as the folder it reads.
+    args = ["--max-model-len", "64", "--speculative-config=" + json.dumps({**spec, "model": str(llama_model)})]
+    out = speculation.with_draft_folder(args)
+    assert out[:2] == args[:2] and json.loads(out[-1])["model"] == str(llama_model) and len(out) == 4
+
+
+def test_a_draft_models_drafts_reach_the_scheduler_only_for_the_history_they_follow():
+    from types import SimpleNamespace
+
+    from metal_cluster.coordinator.engine.model_drafts import ModelDrafter
+
+    drafter = ModelDrafter(k=3, max_model_len=64)
+
+    def request(num_tokens=10, max_tokens=20, num_output_tokens=5):
+        return SimpleNamespace(request_id="a", num_tokens=num_tokens, max_tokens=max_tokens,
+                               num_output_tokens=num_output_tokens)
+    output = SimpleNamespace(spec_drafts={"a": (10, [4, 5, 6])})
+    assert drafter.drafts(request(), output) == [4, 5, 6]
+    assert drafter.drafts(request(num_tokens=11), output) == []  # vLLM kept another history
+    assert drafter.drafts(request(max_tokens=7), output) == [4]  # one more token fits after this step's
+    assert drafter.drafts(request(num_tokens=10), SimpleNamespace(spec_drafts=None)) == []
+
+
+def test_a_gguf_draft_reaches_vllm_as_its_folder(llama_model):
+    """The embedded SmolLM2 GGUF as a draft: of its own vocabulary it is served (vLLM reads the
+    folder derived from it, the stage maps that back to the file); beside a tiny model it is refused."""
+    from metal_cluster.stage_worker.model.model_source import default_model_gguf, resolve_model
+
+    gguf = default_model_gguf()
+    config = {"method": "draft_model", "model": str(gguf), "num_speculative_tokens": 2}
+    args = ["--speculative-config", json.dumps(config)]
+    target = resolve_model(None).folder
+    assert speculation.problem(args, target) is None
+    folder = json.loads(speculation.with_draft_folder(args)[-1])["model"]
+    assert resolve_model(folder).gguf == gguf.resolve()
+    assert "a draft must use the target's tokenizer" in speculation.problem(args, llama_model)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from metal_cluster.coordinator.commands import load_progress
 from metal_cluster.coordinator.cluster import placement
-from metal_cluster.coordinator.cluster.stages import Pipeline, StageCallError, wire_dtype
+from metal_cluster.coordinator.cluster.stages import DraftAssignment, Pipeline, StageCallError, wire_dtype
 from metal_cluster.proto import pb
 from metal_cluster.stage_worker.model.dtypes import from_name
 from metal_cluster.stage_worker.host import machine_id
@@ -44,6 +44,7 @@ class Settings:
     activation_known: dict[str, int] = field(default_factory=dict)
     # on_gpu -> the model's placement cost: it never changes, so the executor keeps it across re-plans.
     costs: dict = field(default_factory=dict)
+    draft: DraftAssignment | None = None  # speculative decoding's draft model, on the last stage
 
 
 @dataclass
@@ -168,16 +169,20 @@ def build(stages: list, healths: list, settings: Settings, say=lambda line: None
     try:
         with load_progress.reported(stages, say):
             assigned = pipeline.assign(settings.model, ranges, settings.block_size, settings.max_num_batched_tokens,
-                                       shares, [settings.activation_known.get(s.name, 0) for s in stages])
+                                       shares, [settings.activation_known.get(s.name, 0) for s in stages],
+                                       settings.draft)
         clock.append(time.monotonic())
         caches = settings.caches
         blocks = []
         for share, r, (a, b) in zip(shares, assigned, ranges):
             dtype = from_name(r.dtype or "float32")
+            draft_bytes = r.spec_draft_bytes_per_block * (-(-settings.max_model_len // settings.block_size) + 1)
             KVBudget(share, r.host_memory_bytes, r.weights_bytes, r.activation_bytes).check_fits(
-                settings.max_model_len, request_bytes(caches[a:b], settings.max_model_len, settings.block_size, dtype))
+                settings.max_model_len,
+                request_bytes(caches[a:b], settings.max_model_len, settings.block_size, dtype) + draft_bytes)
             layout = KVLayout.of_stage(settings.kv_groups, a, b)
-            blocks.append(r.kv_budget_bytes // bytes_per_block(caches[a:b], settings.block_size, dtype, layout))
+            blocks.append(r.kv_budget_bytes // (bytes_per_block(caches[a:b], settings.block_size, dtype, layout)
+                                                + r.spec_draft_bytes_per_block))
         num_blocks = min(min(blocks), settings.num_blocks)
         started = pipeline.start(num_blocks, ring_hosts(stages, healths), settings.ring_timeout_s,
                                  wire_dtype([r.dtype for r in assigned]), settings.kv_groups)

@@ -9,6 +9,7 @@ import json
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 
@@ -206,6 +207,14 @@ class RemoteStage:
         self.channel.close()
 
 
+@dataclass(frozen=True)
+class DraftAssignment:
+    """Speculative decoding's draft model, for the last stage to load beside its layers."""
+
+    model: str  # a path on the last stage's host
+    num_tokens: int  # drafts per request and step
+
+
 class Pipeline:
     """Stages in ring order: stage k runs layers before stage k+1's and sends it hidden states."""
 
@@ -217,7 +226,8 @@ class Pipeline:
         return len(self.stages)
 
     def assign(self, model: str, ranges: list[tuple[int, int]], block_size: int, max_tokens: int,
-               utilization: list[float], activation_known: list[int] | None = None) -> list[pb.AssignResponse]:
+               utilization: list[float], activation_known: list[int] | None = None,
+               draft: DraftAssignment | None = None) -> list[pb.AssignResponse]:
         """activation_known: per stage, an activation peak already measured (0: the stage warms up)."""
         reqs = [
             pb.AssignRequest(version=PROTO_VERSION, model=model, layer_start=a, layer_end=b, block_size=block_size,
@@ -227,6 +237,8 @@ class Pipeline:
             for (a, b), share, stage, known in zip(ranges, utilization, self.stages,
                                                    activation_known or [0] * len(self.stages))
         ]
+        if draft is not None:  # the last stage verifies, so it drafts
+            reqs[-1].spec_draft_model, reqs[-1].spec_num_draft_tokens = draft.model, draft.num_tokens
         return list(self.pool.map(lambda sr: sr[0].assign(sr[1]), zip(self.stages, reqs)))
 
     def start(self, num_blocks: int, ring_hosts: list[str], ring_timeout_s: float = 60, wire: str = "",

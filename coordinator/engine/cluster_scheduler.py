@@ -23,6 +23,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import RequestStatus
 
 from metal_cluster.coordinator.engine.cluster_control import CONTROL_KEY
+from metal_cluster.coordinator.engine.model_drafts import ModelDrafter
 from metal_cluster.coordinator.engine.ngram import NgramDrafter
 
 HOLD_POLL_S = 0.05
@@ -37,7 +38,15 @@ class StageLossOutput(ModelRunnerOutput):
 
 
 @dataclass
-class KeptBackOutput(ModelRunnerOutput):
+class DraftedOutput(ModelRunnerOutput):
+    """A step's output with the draft model's next drafts: request id -> (the history length
+    they follow, the drafts)."""
+
+    spec_drafts: dict[str, tuple[int, list[int]]] | None = None
+
+
+@dataclass
+class KeptBackOutput(DraftedOutput):
     """A step's output with requests that could not run in it (their LoRA adapter cannot be read):
     they produced nothing and end with their own error; the others in the step are untouched."""
 
@@ -45,7 +54,8 @@ class KeptBackOutput(ModelRunnerOutput):
 
 
 def with_request_errors(output: ModelRunnerOutput, errors: dict[str, RequestError]) -> KeptBackOutput:
-    return KeptBackOutput(**{f.name: getattr(output, f.name) for f in fields(ModelRunnerOutput)}, request_errors=errors)
+    return KeptBackOutput(**{f.name: getattr(output, f.name) for f in fields(ModelRunnerOutput)},
+                          spec_drafts=getattr(output, "spec_drafts", None), request_errors=errors)
 
 
 def loss_output(scheduler_output, failure: RequestError, outage_id: int) -> StageLossOutput:
@@ -64,7 +74,9 @@ class ClusterScheduler(Scheduler):
         self.fenced = []  # blocks above the current plan's capacity
         self.held: dict[str, float] = {}  # request id -> when the outage took it back
         self.paused_for_drain = False
-        self.drafter = NgramDrafter.from_config(self.vllm_config.speculative_config, self.max_model_len)
+        spec = self.vllm_config.speculative_config
+        self.drafter = (NgramDrafter.from_config(spec, self.max_model_len)
+                        or ModelDrafter.from_config(spec, self.max_model_len))
 
     def schedule(self, *args, **kwargs):
         if self.control is not None:
@@ -102,20 +114,21 @@ class ClusterScheduler(Scheduler):
         self._fail(getattr(model_runner_output, "request_errors", None) or {})
         outputs = super().update_from_output(scheduler_output, model_runner_output)
         if self.drafter is not None and failure is None:
-            self._draft(scheduler_output)
+            self._draft(scheduler_output, model_runner_output)
         if self.control is not None and self.control.draining and not self.running:
             self.control.drained.set()
         return outputs
 
-    def _draft(self, scheduler_output) -> None:
-        """The next drafts of the requests this output extended, made here, from the history the
-        output just completed (vLLM's executor hook, take_draft_token_ids, runs after steps that
-        only queued work under pipeline parallelism, before the tokens the drafts follow are known)."""
+    def _draft(self, scheduler_output, model_runner_output) -> None:
+        """The next drafts of the requests this output extended, set here, once the output has
+        completed the history they follow (vLLM's executor hook, take_draft_token_ids, runs after
+        steps that only queued work under pipeline parallelism, before the tokens the drafts follow
+        are known): n-grams are made here, a draft model's came with the output."""
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING or request.is_prefill_chunk:
                 continue
-            drafts = self.drafter.drafts(request)
+            drafts = self.drafter.drafts(request, model_runner_output)
             request.spec_token_ids = self.structured_output_manager.validate_tokens(request, drafts) if drafts else []
 
     # --- an outage: hold, resume or end ----------------------------------------------------------

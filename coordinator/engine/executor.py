@@ -37,7 +37,7 @@ from metal_cluster.coordinator.engine.executor_env import (
 )
 from metal_cluster.coordinator.cluster.monitor import Monitor
 from metal_cluster.coordinator.cluster.stages import (
-    LazyFuture, LocalStage, Pipeline, RemoteStage, StageCallError, even_split, wire_dtype,
+    DraftAssignment, LazyFuture, LocalStage, Pipeline, RemoteStage, StageCallError, even_split, wire_dtype,
 )
 from metal_cluster.coordinator.engine.step_translation import StepTranslator, to_runner_output
 from metal_cluster.stage_worker.model.dtypes import from_name
@@ -100,13 +100,19 @@ class ClusterExecutor(Executor):
         with load_progress.reported(self.pipeline.stages, lambda line: log.info("%s", line)):
             self.assigned = self.pipeline.assign(
                 self.model_config.model, self.ranges, self.cache_config.block_size,
-                self.scheduler_config.max_num_batched_tokens, self.shares,
+                self.scheduler_config.max_num_batched_tokens, self.shares, draft=self.draft,
             )
         self.activation_peak = max(r.activation_bytes for r in self.assigned)  # measured: see replan.activation_known
         self.placement_costs = {}  # see replan.Settings.costs
         for (a, b), r, stage in zip(self.ranges, self.assigned, self.pipeline.stages):
             log.info("stage %s: layers [%d, %d), %.2f GiB weights, %.2f GiB activations, KV budget %.2f GiB",
                      stage.name, a, b, r.weights_bytes / 2**30, r.activation_bytes / 2**30, r.kv_budget_bytes / 2**30)
+        if self.draft is not None:
+            r = self.assigned[-1]
+            log.info("draft model %s on stage %s: %.2f GiB weights, %.1f KiB KV per token, %d drafts per step",
+                     os.path.basename(self.draft.model), self.pipeline.stages[-1].name,
+                     r.spec_draft_weights_bytes / 2**30,
+                     r.spec_draft_bytes_per_block / self.cache_config.block_size / 1024, self.draft.num_tokens)
         self.translator = StepTranslator(stage_keeps_tokens=len(self.pipeline) == 1,
                                          pooling=pooling.pooling_type(self.model_config),
                                          classifier=pooling.classifier_head(self.model_config))
@@ -124,6 +130,20 @@ class ClusterExecutor(Executor):
         lora = self.vllm_config.lora_config
         self.loras = (LoRARegistry(self.model_config.model, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras)
                       if lora is not None else None)
+
+    @cached_property
+    def draft(self) -> DraftAssignment | None:
+        """The draft model of `--speculative-config '{"method": "draft_model", ...}'`: a path on
+        the last stage's host (weights travel does not carry it yet: a remote last stage needs it at
+        the same path)."""
+        spec = self.vllm_config.speculative_config
+        if spec is None or spec.method != "draft_model":
+            return None
+        return DraftAssignment(spec.model, spec.num_speculative_tokens)
+
+    def _draft_block_bytes(self, assigned) -> list[int]:
+        """What a block id costs each stage's draft pool (the last stage's only)."""
+        return [r.spec_draft_bytes_per_block for r in assigned]
 
     @cached_property
     def _model_json(self) -> dict:
@@ -199,9 +219,10 @@ class ClusterExecutor(Executor):
         max_len = self.model_config.max_model_len
         for (a, b), r, stage, share in zip(self.ranges, self.assigned, self.pipeline.stages, self.shares):
             budget = KVBudget(share, r.host_memory_bytes, r.weights_bytes, r.activation_bytes)
+            draft_bytes = r.spec_draft_bytes_per_block * (-(-max_len // self.cache_config.block_size) + 1)
             try:
                 budget.check_fits(max_len, request_bytes(caches[a:b], max_len, self.cache_config.block_size,
-                                                         from_name(r.dtype or "float32")))
+                                                         from_name(r.dtype or "float32")) + draft_bytes)
             except MemoryBudgetError as e:
                 # One clear line instead of vLLM's tracebacks from two processes; the API server sees
                 # the engine gone and `metal-cluster serve` exits non-zero.
@@ -214,6 +235,8 @@ class ClusterExecutor(Executor):
         groups, by_index = kv_specs.vllm_groups(self.vllm_config, specs)
         ours = kv_specs.pool_bytes_per_block(caches, self.ranges, [r.dtype or "float32" for r in self.assigned],
                                              self.cache_config.block_size, by_index)
+        # The draft's pool takes a block id's worth too, beside the last stage's own.
+        ours = [cost + draft for cost, draft in zip(ours, self._draft_block_bytes(self.assigned))]
         budgets = [min(r.kv_budget_bytes, usable * cost) for r, cost in zip(self.assigned, ours)]
         if budgets != [r.kv_budget_bytes for r in self.assigned]:
             log.info("KV pool capped at %d blocks: all that %d requests of %d tokens can use (--max-num-seqs x "
@@ -235,6 +258,7 @@ class ClusterExecutor(Executor):
         # recurrent states beside K/V), not one array per layer.
         costs = kv_specs.pool_bytes_per_block(self._layer_caches(), self.ranges,
                                               [r.dtype or "float32" for r in self.assigned], block_size, self.kv_groups)
+        costs = [cost + draft for cost, draft in zip(costs, self._draft_block_bytes(self.assigned))]
         kv = ", ".join(sorted({f"{r.dtype}: {cost / block_size / 1024:.1f} KiB per token"
                                for r, cost in zip(self.assigned, costs)}))
         groups = f"; {len(self.kv_groups)} KV cache groups" if len(self.kv_groups) > 1 else ""
@@ -467,7 +491,7 @@ class ClusterExecutor(Executor):
             utilization=self.cache_config.gpu_memory_utilization, max_model_len=self.model_config.max_model_len,
             num_blocks=self.num_blocks, ring_timeout_s=RING_TIMEOUT_S, kv_groups=self.kv_groups,
             caches=self._layer_caches(), activation_known=replan.activation_known(self.addresses, self.activation_peak),
-            costs=self.placement_costs,
+            costs=self.placement_costs, draft=self.draft,
         )
 
     # --- LoRA: vLLM's own versions call collective_rpc, which resolves names on this class ----------

@@ -50,11 +50,15 @@ class NgramDrafter:
         return cls(speculative_config.prompt_lookup_min, speculative_config.prompt_lookup_max,
                    speculative_config.num_speculative_tokens, max_model_len)
 
-    def drafts(self, request) -> list[int]:
-        """The drafts for a running request's next step: none past its max_tokens (the step's own
-        token comes on top) or the model's length."""
-        room = min(self.k, request.max_tokens - request.num_output_tokens - 1,
-                   self.max_model_len - request.num_tokens - 1)
-        if room <= 0:
+    def drafts(self, request, output=None) -> list[int]:
+        """The drafts for a running request's next step (see `room`)."""
+        n = room(request, self.k, self.max_model_len)
+        if n <= 0:
             return []
-        return propose(np.asarray(request.all_token_ids, dtype=np.int64), self.min_n, self.max_n, room)
+        return propose(np.asarray(request.all_token_ids, dtype=np.int64), self.min_n, self.max_n, n)
+
+
+def room(request, k: int, max_model_len: int) -> int:
+    """How many drafts a running request's next step may verify: none past its max_tokens (the
+    step's own token comes on top) or the model's length."""
+    return min(k, request.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens - 1)

@@ -2,7 +2,9 @@
 cannot honour stops `serve` / `up` with one line naming the problem, instead of a server that
 silently does not speculate, or vLLM's tracebacks from two processes.
 
-Served: `ngram` (prompt lookup; drafts made in the scheduler, verified on the last stage).
+Served: `ngram` (prompt lookup; drafts made in the scheduler, verified on the last stage) and
+`draft_model` (a small model of the target's vocabulary, run whole on the last stage's host: a local
+folder or .gguf; stage_worker/step/draft.py).
 """
 
 import json
@@ -11,7 +13,7 @@ from pathlib import Path
 from metal_cluster.stage_worker.model.model_source import text_config
 
 FLAG = "--speculative-config"
-SERVED = ("ngram",)
+SERVED = ("ngram", "draft_model")
 
 
 def flag_value(args: list[str]) -> str | None:
@@ -38,15 +40,44 @@ def problem(args: list[str], model_folder: Path) -> str | None:
         return f"{FLAG} must be a JSON object, e.g. '{{\"method\": \"ngram\", \"num_speculative_tokens\": 4}}'"
     method = _method(config)
     target = _config(model_folder)
-    if method == "draft_model":
-        return _draft_problem(config.get("model"), target, model_folder)
     if method not in SERVED:
         return (f"{FLAG}: method {method!r} is not served by metal-cluster; use \"ngram\" (prompt lookup, "
-                "with num_speculative_tokens and optionally prompt_lookup_min/max)")
+                "with num_speculative_tokens and optionally prompt_lookup_min/max) or \"draft_model\" (with "
+                "\"model\", a small model of the same tokenizer)")
     k = config.get("num_speculative_tokens")
     if not isinstance(k, int) or k < 1:
-        return f"{FLAG}: \"ngram\" needs num_speculative_tokens, a whole number >= 1 (how many tokens to guess)"
+        return f"{FLAG}: \"{method}\" needs num_speculative_tokens, a whole number >= 1 (how many tokens to guess)"
+    if method == "draft_model":
+        bad = _draft_problem(config, target, model_folder)
+        if bad:
+            return bad
     return _model_problem(target, model_folder)
+
+
+def with_draft_folder(args: list[str]) -> list[str]:
+    """vLLM's arguments with a draft model named by the folder vLLM reads (a .gguf's derived folder,
+    which the stage's loader maps back to the file). Call after `problem` found none."""
+    raw = flag_value(args)
+    if raw is None:
+        return args
+    config = json.loads(raw)
+    if _method(config) != "draft_model":
+        return args
+    from metal_cluster.stage_worker.model.model_source import resolve_model
+
+    value = json.dumps({**config, "method": "draft_model", "model": str(resolve_model(config["model"]).folder)})
+    out = []
+    skip = False
+    for a in args:
+        if skip:
+            skip = False
+            continue
+        if a == FLAG:
+            skip = True
+            continue
+        if not a.startswith(FLAG + "="):
+            out.append(a)
+    return [*out, FLAG, value]
 
 
 def _method(config: dict) -> str | None:
@@ -68,16 +99,36 @@ def _vocab(config: dict) -> int | None:
     return config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
 
 
-def _draft_problem(draft, target: dict, model_folder: Path) -> str:
+def _draft_problem(config: dict, target: dict, model_folder: Path) -> str | None:
+    from metal_cluster.stage_worker.errors import ModelLoadError
+    from metal_cluster.stage_worker.families import family_of
+    from metal_cluster.stage_worker.model.model_source import resolve_model
+
+    draft = config.get("model")
     if not draft:
-        return f"{FLAG}: \"draft_model\" needs \"model\", the draft's folder"
-    draft_config = _config(Path(draft))
-    if not draft_config:
-        return f"{FLAG}: the draft model {draft} is not a model folder with a config.json"
+        return f"{FLAG}: \"draft_model\" needs \"model\", the draft's folder or .gguf"
+    for key, default in (("draft_sample_method", "greedy"), ("rejection_sample_method", "standard")):
+        if config.get(key, default) != default:
+            return f"{FLAG}: {key} {config[key]!r} is not served by metal-cluster; leave it out ({default!r})"
+    folder_config = _config(Path(draft))  # a folder's vocabulary is the first thing to get right
+    if folder_config and _vocab(folder_config) != _vocab(target):
+        return _vocab_problem(draft, folder_config, target, model_folder)
+    try:
+        draft_config = resolve_model(draft).config
+        caches = family_of(draft_config, draft).layer_caches(draft_config)
+    except ModelLoadError as e:
+        return f"{FLAG}: the draft model: {e}"
     if _vocab(draft_config) != _vocab(target):
-        return (f"{FLAG}: the draft model {draft} has a vocabulary of {_vocab(draft_config)} tokens, "
-                f"{Path(model_folder).name} has {_vocab(target)}: a draft must use the target's tokenizer")
-    return f"{FLAG}: method \"draft_model\" is not served by metal-cluster yet; use \"ngram\" (prompt lookup)"
+        return _vocab_problem(draft, draft_config, target, model_folder)
+    if any(c.state_shapes for c in caches):
+        return (f"{FLAG}: the draft model {draft} ({draft_config.get('model_type')}) has recurrent layers, whose "
+                "state cannot take back rejected drafts: choose a draft with attention layers only")
+    return None
+
+
+def _vocab_problem(draft, draft_config: dict, target: dict, model_folder: Path) -> str:
+    return (f"{FLAG}: the draft model {draft} has a vocabulary of {_vocab(draft_config)} tokens, "
+            f"{Path(model_folder).name} has {_vocab(target)}: a draft must use the target's tokenizer")
 
 
 def _model_problem(target: dict, model_folder: Path) -> str | None:

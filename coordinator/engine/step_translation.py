@@ -276,5 +276,11 @@ def to_runner_output(so, response: pb.StepResponse, prompt_logprobs: dict | None
                 ids[row, 1 : 1 + k] = s.top.token_ids
                 lps[row, 1 : 1 + k] = s.top.logprobs
         logprobs = LogprobsLists(ids, lps, ranks, starts[:-1])
-    return ModelRunnerOutput(req_ids=req_ids, req_id_to_index=index, sampled_token_ids=tokens, logprobs=logprobs,
-                             prompt_logprobs_dict=prompt_logprobs or {}, pooler_output=pooled)
+    common = dict(req_ids=req_ids, req_id_to_index=index, sampled_token_ids=tokens, logprobs=logprobs,
+                  prompt_logprobs_dict=prompt_logprobs or {}, pooler_output=pooled)
+    if response.spec_drafts:
+        from metal_cluster.coordinator.engine.cluster_scheduler import DraftedOutput
+
+        drafts = {d.req_id: (d.after, list(d.token_ids)) for d in response.spec_drafts}
+        return DraftedOutput(**common, spec_drafts=drafts)
+    return ModelRunnerOutput(**common)

@@ -36,6 +36,10 @@ class RequestState:
     lora_id: int = 0  # the LoRA adapter it runs with (0: the base model)
     pooling: str = ""  # a pooling request's pooling type (LAST, MEAN, CLS); empty: it generates
     classify: bool = False  # a pooling request of vLLM's classify task: the classification head's logits
+    # A draft model's KV (draft.py): positions it holds for this history, then the tokens it wrote
+    # at the positions after those (its own drafts), valid while the history agrees with them.
+    draft_kv: int = 0
+    draft_written: list[int] = field(default_factory=list)
 
     @property
     def output_ids(self) -> list[int]:
@@ -84,6 +88,7 @@ class RequestTable:
                 lora_id=new.lora_id,
                 pooling=new.pooling,
                 classify=new.classify,
+                draft_kv=new.num_computed_tokens,  # a prefix-cache hit: the draft wrote those blocks too
                 # A seeded request's draws are keyed by seed and position (sampler.draw_key), so one
                 # resumed on a new plan with its outputs draws what it would have.
                 rng=np.random.default_rng(new.sampling.seed if new.sampling.HasField("seed") else None),
@@ -136,6 +141,8 @@ class RequestTable:
             state.on_device = {}
         state.token_ids.extend(cached.new_token_ids)
         state.num_computed_tokens = cached.num_computed_tokens
+        if cached.resumed or cached.all_token_ids:  # new blocks, or a history the draft never saw
+            state.draft_kv, state.draft_written = cached.num_computed_tokens, []
 
     def _validate(self, step: pb.StepRequest) -> None:
         finished = set(step.finished_req_ids)

@@ -13,9 +13,10 @@ import mlx.core as mx
 import numpy as np
 
 from metal_cluster.proto import pb
-from metal_cluster.stage_worker.model import classifier
 from metal_cluster.stage_worker.step.attention import LayerContext
 from metal_cluster.stage_worker.step.batch import StepBatch, build_batch
+from metal_cluster.stage_worker.model import classifier
+from metal_cluster.stage_worker.step.draft import DraftModel
 from metal_cluster.stage_worker.step.lora import LoRABank
 from metal_cluster.stage_worker.kv.paged_kv import KVPool
 from metal_cluster.stage_worker.step.request_table import PENDING, RequestTable, RequestState, StepError
@@ -56,6 +57,7 @@ class StageOutput:
     on_device: DeviceTokens | None = None  # kept tokens not read back yet: `resolve` reads them
     prompt_logprobs: list = field(default_factory=list)  # pb.PromptLogprobs of this step's prompt chunks
     pooled: dict[str, np.ndarray] = field(default_factory=dict)  # pooling requests whose prompt ended
+    spec_drafts: list = field(default_factory=list)  # pb.SpecDraftTokens: a draft model's next drafts
 
     def resolve(self) -> "StageOutput":
         if self.on_device is not None:
@@ -65,9 +67,10 @@ class StageOutput:
 
 
 class StageRunner:
-    def __init__(self, shard: ModelShard, pool: KVPool):
+    def __init__(self, shard: ModelShard, pool: KVPool, draft: DraftModel | None = None):
         self.shard = shard
         self.pool = pool
+        self.draft = draft  # speculative decoding's draft model (the last stage only)
         self.table = RequestTable(pool.num_blocks, pool.layout.windows, pool.block_size, pool.layout.recurrent)
         self.lora = LoRABank(shard.layers, shard.start, shard.dtype, shard.compile_switch)
 
@@ -84,6 +87,8 @@ class StageRunner:
                             f"head ({classifier.HEAD}.weight)")
         self.table.apply(step)
         self.pool.copy_blocks([(c.src, c.dst) for c in step.block_copies])
+        if self.draft is not None:
+            self.draft.pool.copy_blocks([(c.src, c.dst) for c in step.block_copies])
         batch = build_batch(self.table, step.scheduled, self.pool.block_size, any(self.pool.is_state))
         batch.lora_slots = self._lora_slots(batch)
         return batch
@@ -98,7 +103,16 @@ class StageRunner:
 
     def run(self, step: pb.StepRequest, batch: StepBatch, hidden_in: mx.array | None = None) -> StageOutput:
         """Run the step's work. A stage that keeps its tokens only queues it: `StageOutput.resolve`
-        waits for the tokens; every other stage has finished it when this returns."""
+        waits for the tokens; every other stage has finished it when this returns. With a draft
+        model the step ends with its drafts, made from the tokens chosen (so waited for)."""
+        out = self._run(step, batch, hidden_in)
+        if self.draft is not None and batch.req_ids:
+            out.resolve()
+            gained = {r: [a.token_id for a in out.accepted.get(r, ())] + [s.token_id] for r, s in out.sampled.items()}
+            out.spec_drafts = self.draft.follow(self.table, step, gained)
+        return out
+
+    def _run(self, step: pb.StepRequest, batch: StepBatch, hidden_in: mx.array | None = None) -> StageOutput:
         out = StageOutput(step_id=step.step_id)
         if not batch.req_ids:
             return out
@@ -312,6 +326,7 @@ def to_response(out: StageOutput) -> pb.StepResponse:
     response.prompt_logprobs.extend(out.prompt_logprobs)
     for req_id, vector in out.pooled.items():
         response.pooled.add(req_id=req_id, data=vector.tolist())
+    response.spec_drafts.extend(out.spec_drafts)
     return response
 
 

@@ -20,8 +20,9 @@ from metal_cluster.stage_worker.step.draft import DraftModel
 from metal_cluster.stage_worker.step.lora import LoRABank
 from metal_cluster.stage_worker.kv.paged_kv import KVPool
 from metal_cluster.stage_worker.step.request_table import PENDING, RequestTable, RequestState, StepError
-from metal_cluster.stage_worker.step.sampler import (Sampled, SampleRow, draw_key, gather_logprobs, log_softmax,
-                                                needs_history, sample)
+from metal_cluster.stage_worker.step.sampler import (
+    Sampled, SampleRow, draw_key, gather_logprobs, log_softmax, needs_history, sample,
+)
 from metal_cluster.stage_worker.model.shard import ModelShard
 
 # Decode steps run the layers' pure parts through mx.compile (`compiled.py`); 0 turns that off.

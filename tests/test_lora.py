@@ -124,6 +124,23 @@ def test_bad_adapters_are_named(llama_model, adapters, tmp_path):
         read_adapter(tmp_path / "odd", "odd", llama_model, max_rank=8)
 
 
+def test_a_vision_language_models_adapter_reads_as_its_text_models(tmp_path):
+    """PEFT adapters of Qwen3.5 name its decoder layers model.language_model.layers.N (the checkpoint's
+    own names): they read exactly as the same weights under the text model's names."""
+    import tiny_models
+
+    folder = tiny_models.build_tiny_model("qwen3_5", tmp_path / "qwen3_5")
+    modules = ["self_attn.q_proj", "linear_attn.in_proj_qkv", "mlp.down_proj"]
+    pairs = random_pairs(folder, modules, 4, seed=5)
+    assert {k.split(".")[3] for k in pairs} == {"linear_attn", "self_attn", "mlp"}  # both kinds of layer
+    nested = {k.replace("model.layers.", "model.language_model.layers.", 1): v for k, v in pairs.items()}
+    plain = read_adapter(write_peft(tmp_path / "plain", pairs, 4, 8.0, modules), "plain", folder, max_rank=8)
+    got = read_adapter(write_peft(tmp_path / "nested", nested, 4, 8.0, modules), "nested", folder, max_rank=8)
+    assert got.weights.keys() == plain.weights.keys() and len(got.weights) == len(pairs)
+    for key, (a, b) in plain.weights.items():
+        assert (got.weights[key][0] == a).all() and (got.weights[key][1] == b).all()
+
+
 def test_a_bad_lora_module_at_start_is_one_line(llama_model, tmp_path, capsys, monkeypatch):
     from types import SimpleNamespace
 

@@ -18,12 +18,20 @@ from pathlib import Path
 import numpy as np
 
 from metal_cluster.proto import PROTO_VERSION, pb
+from metal_cluster.stage_worker.model.model_source import text_tensor_name
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 MLX_WEIGHTS = "adapters.safetensors"
 CONFIG = "adapter_config.json"
-_PEFT_NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
+_PEFT_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.lora_([AB])\.weight$")
 _MLX_NAME = re.compile(r"^model\.layers\.(\d+)\.(.+)\.lora_([ab])$")
+
+
+def _text_name(key: str) -> str:
+    """An adapter tensor's name as the text model has it: PEFT's base_model.model. prefix dropped,
+    and a vision-language model's (Qwen3.5) model.language_model. read as the text model's."""
+    key = key.removeprefix("base_model.model.")
+    return text_tensor_name(key) or key
 
 
 class LoRAAdapterError(ValueError):
@@ -102,7 +110,7 @@ def _read_peft(folder: Path, name: str, config: dict, where: str) -> LoRAAdapter
         raise LoRAAdapterError(f"{where}: {CONFIG} has no lora_alpha")
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for key, value in _load(folder / PEFT_WEIGHTS, where).items():
-        m = _PEFT_NAME.match(key)
+        m = _PEFT_NAME.match(_text_name(key))
         if not m:
             raise LoRAAdapterError(f"{where}: tensor {key} is not a LoRA weight of a decoder layer's linear module "
                                    "(embeddings and lm_head are not supported)")
@@ -128,7 +136,7 @@ def _read_mlx(folder: Path, name: str, config: dict, where: str) -> LoRAAdapter:
         raise LoRAAdapterError(f"{where}: {CONFIG} has no lora_parameters.scale")
     pairs: dict[tuple[int, str], dict[str, np.ndarray]] = {}
     for key, value in _load(folder / MLX_WEIGHTS, where).items():
-        m = _MLX_NAME.match(key)
+        m = _MLX_NAME.match(_text_name(key))
         if not m:
             raise LoRAAdapterError(f"{where}: tensor {key} is not a LoRA weight of a decoder layer's linear module")
         pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = value

@@ -195,7 +195,9 @@ def _check_prompt_logprobs(got, ids, expected, k, tolerance):
     for pos in range(1, len(ids)):
         row = expected[pos - 1]
         entry = {int(t): v for t, v in got[pos].items()}
-        assert abs(entry[ids[pos]]["logprob"] - row[ids[pos]]) < tolerance, pos
+        # Relative for unlikely tokens: a logprob of -36 is a difference of two float32 values near
+        # 36, so rounding alone moves it by ~1e-4 (seen in CI: 1.2e-4 at pos 16).
+        assert abs(entry[ids[pos]]["logprob"] - row[ids[pos]]) < tolerance * max(1, -row[ids[pos]] / 10), pos
         assert entry[ids[pos]]["rank"] == int((row >= row[ids[pos]]).sum()), pos
         top = np.argsort(-row)[:k]
         assert set(top) <= set(entry) and len(entry) <= k + 1, pos

@@ -55,6 +55,7 @@ class Fetched:
     folder: Path
     tensors: set[str] = field(default_factory=set)  # the tensors this stage holds, as the files name them
     received: int = 0  # bytes that came over the wire for this load
+    seconds: float = 0.0  # of which moving the bytes took this long (no manifest, no small files)
 
 
 def fetch_stage(address: str, manifest_sha: str, start: int, end: int, token: str | None,
@@ -166,6 +167,7 @@ class _Fetch:
         self.cache_limit = cache_limit
         self.folder = root / "models" / manifest.sha256[:16]
         self.received = 0
+        self.seconds = 0.0
 
     def run(self, start: int, end: int) -> Fetched:
         wanted, kept = self.plan(start, end)
@@ -173,7 +175,7 @@ class _Fetch:
         weights = [entry for entry, _ in wanted.values()]
         self._link(weights)
         self._write_gguf_source(weights)
-        return Fetched(self.folder, kept, self.received)
+        return Fetched(self.folder, kept, self.received, self.seconds)
 
     def plan(self, start: int, end: int) -> tuple[dict[str, tuple[pb.ModelFile, list[pb.Piece]]], set[str]]:
         """The small files, fetched; and the pieces of the weight files the stage reads, with the
@@ -216,7 +218,8 @@ class _Fetch:
                 for batch in _batches(pieces):
                     self._read_into(entry, batch)
         took = max(time.monotonic() - began, 1e-6)
-        log.info("fetched %d bytes for %s in %.1fs (%.1f MB/s)", need, what, took, need / took / 1e6)
+        self.seconds += took
+        log.info("fetched %d bytes for %s in %.2fs (%.1f MB/s)", need, what, took, need / took / 1e6)
 
     def _read_into(self, entry: pb.ModelFile, pieces: list[pb.Piece]) -> None:
         """Receive and write on this thread, hash on another: the socket, pwrite and the hash all

@@ -2,7 +2,8 @@
 
 Builds a random-weight llama checkpoint of a few hundred MB (tests/tiny_models.py; nothing is
 downloaded), serves it from the coordinator's model store in one namespace and fetches all of it
-into an empty cache in the other (manifest, pieces, sha256 of each, writes to disk), then sends
+into an empty cache in the other (manifest, pieces, a BLAKE3 of each, writes to disk): over the
+store's plaintext port (the default) and over TLS (`up --weights-over-tls`); then sends
 the same file's bytes over one plain TCP connection between the same two namespaces: received and
 dropped, and received and written to a file; and over one TLS connection made with the cluster's
 certificates (Python's ssl, what TLS alone costs). Beside each rate, the CPU seconds per GiB on the
@@ -43,7 +44,8 @@ STORE = """
 import sys, time
 from metal_cluster.coordinator.cluster import model_store
 from metal_cluster.stage_worker.model.model_source import resolve_model
-s = model_store.start(resolve_model(sys.argv[1]), "bench", sys.argv[2], "bench-token", port=7790)
+s = model_store.start(resolve_model(sys.argv[1]), "bench", sys.argv[2], "bench-token", port=int(sys.argv[3]),
+                      weights_over_tls=sys.argv[4] == "tls")
 print(s.manifest.sha256, flush=True)
 time.sleep(3600)
 """
@@ -55,7 +57,8 @@ import mlx_lm.utils  # imported before the clock starts, as in a worker
 t = time.perf_counter()
 cpu = time.process_time()
 got = fetch_stage(sys.argv[1], sys.argv[2], 0, int(sys.argv[3]), "bench-token", root=Path(sys.argv[4]))
-print(json.dumps({"bytes": got.received, "s": time.perf_counter() - t, "cpu": time.process_time() - cpu}))
+print(json.dumps({"bytes": got.received, "s": time.perf_counter() - t, "cpu": time.process_time() - cpu,
+                  "moving_s": got.seconds}))
 """
 SEND = TLS + """
 import socket, sys, time
@@ -125,22 +128,28 @@ def main():
                                              num_heads=16, num_kv_heads=4)
         size = sum(p.stat().st_size for p in model.iterdir())
         print(f"checkpoint: {size / 2**20:.0f} MiB, {args.layers} layers", flush=True)
+        stores = {"model store, plaintext port (fetch, verify, write)": ("bulk", 7790),
+                  "model store over TLS (--weights-over-tls)": ("tls", 7792)}
         with netns.lan(2, net=78) as [(ns_a, ip_a), (ns_b, _)]:
-            store = subprocess.Popen(["ip", "netns", "exec", ns_a, sys.executable, "-c", STORE, str(model), ip_a],
-                                     stdout=subprocess.PIPE, text=True)  # `ip netns exec` execs: store.pid is it
+            running = {}
             try:
-                manifest = store.stdout.readline().strip()  # after hashing: the store is up
-                rows = {"model store (fetch, verify, write)": [], "plain TCP, dropped": [],
-                        "plain TCP, written to a file": [], "TLS stream, dropped": []}
+                for name, (how, port) in stores.items():  # one by one: the first hashes, the second reads its cache
+                    running[name] = subprocess.Popen(["ip", "netns", "exec", ns_a, sys.executable, "-c", STORE,
+                                                      str(model), ip_a, str(port), how], stdout=subprocess.PIPE,
+                                                     text=True)  # `ip netns exec` execs: .pid is the store
+                    manifest = running[name].stdout.readline().strip()  # once it is up
+                rows = {name: [] for name in stores} | {"plain TCP, dropped": [], "plain TCP, written to a file": [],
+                                                         "TLS stream, dropped": []}
                 for k in range(args.runs):
-                    cache = work / f"cache-{k}"
-                    store_cpu = cpu_seconds(store.pid)
-                    out = netns.run(ns_b, [sys.executable, "-c", FETCH, f"{ip_a}:7790", manifest, str(args.layers),
-                                           str(cache)], timeout=600)
-                    assert out.returncode == 0, out.stderr[-2000:]
-                    rows["model store (fetch, verify, write)"].append(
-                        {**json.loads(out.stdout.strip().splitlines()[-1]), "sender_cpu": cpu_seconds(store.pid) - store_cpu})
-                    shutil.rmtree(cache)
+                    for name, (_, port) in stores.items():
+                        cache = work / f"cache-{k}"
+                        store_cpu = cpu_seconds(running[name].pid)
+                        out = netns.run(ns_b, [sys.executable, "-c", FETCH, f"{ip_a}:{port}", manifest, str(args.layers),
+                                               str(cache)], timeout=600)
+                        assert out.returncode == 0, out.stderr[-2000:]
+                        rows[name].append({**json.loads(out.stdout.strip().splitlines()[-1]),
+                                           "sender_cpu": cpu_seconds(running[name].pid) - store_cpu})
+                        shutil.rmtree(cache)
                     rows["plain TCP, dropped"].append(tcp(ns_a, ip_a, ns_b, model / "model.safetensors", "-"))
                     sink = work / "sink"
                     rows["plain TCP, written to a file"].append(tcp(ns_a, ip_a, ns_b, model / "model.safetensors",
@@ -148,17 +157,22 @@ def main():
                     sink.unlink()
                     rows["TLS stream, dropped"].append(tcp(ns_a, ip_a, ns_b, model / "model.safetensors", "-", tls=True))
             finally:
-                store.kill()
+                for p in running.values():
+                    p.kill()
         best = {name: max(r["bytes"] / r["s"] for r in runs) for name, runs in rows.items()}
         for name, runs in rows.items():
             gib = runs[0]["bytes"] / 2**30
             recv, send = (min(r[k] for r in runs) / gib for k in ("cpu", "sender_cpu"))
             print(f"{name}: {best[name] / 2**20:.0f} MiB/s (best of {args.runs}); CPU s/GiB: "
                   f"receiver {recv:.2f}, sender {send:.2f}")
-        store_rate = best["model store (fetch, verify, write)"]
-        print(f"model store / plain TCP dropped: {store_rate / best['plain TCP, dropped']:.0%}; "
-              f"/ plain TCP written: {store_rate / best['plain TCP, written to a file']:.0%}; "
-              f"/ TLS stream: {store_rate / best['TLS stream, dropped']:.0%}")
+        for name in stores:
+            # The whole fetch (TLS handshake, manifest, config, small files) and its bytes' part alone.
+            moving = max(r["bytes"] / r["moving_s"] for r in rows[name])
+            print(f"{name}: moving the bytes {moving / 2**20:.0f} MiB/s (best of {args.runs})")
+            for what, rate in (("whole fetch", best[name]), ("moving the bytes", moving)):
+                print(f"  {what} / plain TCP dropped: {rate / best['plain TCP, dropped']:.0%}; "
+                      f"/ plain TCP written: {rate / best['plain TCP, written to a file']:.0%}; "
+                      f"/ TLS stream: {rate / best['TLS stream, dropped']:.0%}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

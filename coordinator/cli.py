@@ -127,6 +127,9 @@ def up(
     max_request_body_bytes: int = _max_body_option(),
     max_waiting_requests: int = _max_waiting_option(),
     request_body_timeout: float = _body_timeout_option(),
+    weights_over_tls: bool = typer.Option(
+        False, help="Send weights to workers over TLS too (slower). By default they travel in the clear, each "
+                    "piece checked against the manifest's hash, which comes over TLS."),
 ):
     """Coordinate a cluster: discover workers, place the layers, start the stages, serve the OpenAI API."""
     import os
@@ -172,7 +175,7 @@ def up(
     store = None
     if any(not s.host.local for s in stages):  # hosts without a copy fetch their layers from here
         try:
-            store = cluster.start_model_store(source, _served_name(source), ip, token, console)
+            store = cluster.start_model_store(source, _served_name(source), ip, token, console, weights_over_tls)
             stages = cluster.leave_out_hosts_without_room(
                 stages, hosts, lambda hosts: placement.plan(hosts, cost, gpu_memory_utilization, kv_tokens),
                 store, token, console)

@@ -392,14 +392,14 @@ class TensorRange(_message.Message):
     def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class Piece(_message.Message):
-    __slots__ = ("offset", "length", "sha256")
+    __slots__ = ("offset", "length", "blake3")
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
-    SHA256_FIELD_NUMBER: _ClassVar[int]
+    BLAKE3_FIELD_NUMBER: _ClassVar[int]
     offset: int
     length: int
-    sha256: str
-    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+    blake3: str
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ..., blake3: _Optional[str] = ...) -> None: ...
 
 class ModelFile(_message.Message):
     __slots__ = ("path", "size", "sha256", "format", "tensors", "pieces")
@@ -424,16 +424,18 @@ class ManifestRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ...) -> None: ...
 
 class ManifestResponse(_message.Message):
-    __slots__ = ("version", "sha256", "name", "files")
+    __slots__ = ("version", "sha256", "name", "files", "bulk_port")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     SHA256_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     FILES_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     version: int
     sha256: str
     name: str
     files: _containers.RepeatedCompositeFieldContainer[ModelFile]
-    def __init__(self, version: _Optional[int] = ..., sha256: _Optional[str] = ..., name: _Optional[str] = ..., files: _Optional[_Iterable[_Union[ModelFile, _Mapping]]] = ...) -> None: ...
+    bulk_port: int
+    def __init__(self, version: _Optional[int] = ..., sha256: _Optional[str] = ..., name: _Optional[str] = ..., files: _Optional[_Iterable[_Union[ModelFile, _Mapping]]] = ..., bulk_port: _Optional[int] = ...) -> None: ...
 
 class ReadRequest(_message.Message):
     __slots__ = ("version", "manifest_sha256", "path", "pieces")
@@ -446,6 +448,12 @@ class ReadRequest(_message.Message):
     path: str
     pieces: _containers.RepeatedCompositeFieldContainer[Piece]
     def __init__(self, version: _Optional[int] = ..., manifest_sha256: _Optional[str] = ..., path: _Optional[str] = ..., pieces: _Optional[_Iterable[_Union[Piece, _Mapping]]] = ...) -> None: ...
+
+class BulkTicket(_message.Message):
+    __slots__ = ("ticket",)
+    TICKET_FIELD_NUMBER: _ClassVar[int]
+    ticket: bytes
+    def __init__(self, ticket: _Optional[bytes] = ...) -> None: ...
 
 class ReadChunk(_message.Message):
     __slots__ = ("offset", "data")

@@ -44,6 +44,11 @@ class ModelStoreStub:
                 request_serializer=cluster__pb2.ReadRequest.SerializeToString,
                 response_deserializer=cluster__pb2.ReadChunk.FromString,
                 _registered_method=True)
+        self.Grant = channel.unary_unary(
+                '/metal_cluster.v1.ModelStore/Grant',
+                request_serializer=cluster__pb2.ReadRequest.SerializeToString,
+                response_deserializer=cluster__pb2.BulkTicket.FromString,
+                _registered_method=True)
 
 
 class ModelStoreServicer:
@@ -62,6 +67,13 @@ class ModelStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Grant(self, request, context):
+        """The same pieces over the plaintext port: a ticket for one connection there.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +86,11 @@ def add_ModelStoreServicer_to_server(servicer, server):
                     servicer.Read,
                     request_deserializer=cluster__pb2.ReadRequest.FromString,
                     response_serializer=cluster__pb2.ReadChunk.SerializeToString,
+            ),
+            'Grant': grpc.unary_unary_rpc_method_handler(
+                    servicer.Grant,
+                    request_deserializer=cluster__pb2.ReadRequest.FromString,
+                    response_serializer=cluster__pb2.BulkTicket.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -130,6 +147,33 @@ class ModelStore:
             '/metal_cluster.v1.ModelStore/Read',
             cluster__pb2.ReadRequest.SerializeToString,
             cluster__pb2.ReadChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Grant(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/metal_cluster.v1.ModelStore/Grant',
+            cluster__pb2.ReadRequest.SerializeToString,
+            cluster__pb2.BulkTicket.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,6 +1,7 @@
 """The coordinator's model store and a worker's fetch, in-process over a real gRPC server on loopback:
 only a stage's tensors travel, pieces in the cache are reused, a corrupted piece is fetched again,
-a transfer cut off part way resumes, and a changed model, a wrong token or manifest are refused."""
+a transfer cut off part way resumes, and a changed model, a wrong token or manifest are refused;
+the weights' plaintext port takes only its own tickets, and bytes changed on it are refused."""
 
 import json
 import logging
@@ -64,11 +65,13 @@ def fetch(store, cache, start, end, token=TOKEN, progress=None):
 def test_manifest_ranges_and_hashes(store, model):
     import hashlib
 
+    import blake3
+
     (weights,) = [f for f in store.manifest.files if f.format == "safetensors"]
     data = (model / "model.safetensors").read_bytes()
     assert weights.size == len(data) and weights.sha256 == hashlib.sha256(data).hexdigest()
     for p in weights.pieces:
-        assert hashlib.sha256(data[p.offset:p.offset + p.length]).hexdigest() == p.sha256
+        assert blake3.blake3(data[p.offset:p.offset + p.length]).hexdigest() == p.blake3
     assert sum(p.length for p in weights.pieces) == len(data)
     arrays = mx.load(str(model / "model.safetensors"))
     for t in weights.tensors:  # each range holds exactly that tensor's bytes
@@ -123,6 +126,8 @@ class CutOff(FetchProgress):
     def __setattr__(self, name, value):
         super().__setattr__(name, value)
         if name == "received" and value >= self.after:
+            if self.store.sender:
+                self.store.sender.stop()
             self.store.server.stop(grace=0)
 
 
@@ -317,3 +322,59 @@ def test_a_classifiers_last_stage_fetches_its_score_head_not_the_embedding(tmp_p
     assert mine.classifies and "embed_tokens" not in mine.model.model
     for (n1, a), (n2, b) in zip(tree_flatten(mine.model.parameters()), tree_flatten(full.model.parameters())):
         assert n1 == n2 and mx.array_equal(a, b)
+
+
+def test_weights_come_over_the_bulk_port_and_over_tls_only_when_asked(store, model, tmp_path, caplog):
+    """The bytes of a default store cross its plaintext port; `weights_over_tls` has none; a worker
+    that cannot reach the port fetches over TLS."""
+    got = fetch(store, tmp_path / "bulk-cache", 0, 4)
+    assert store.manifest.bulk_port and store.sender.sent == got.received > tensor_bytes(model, 0, 4)
+    tls = model_store.start(resolve_model(model), "tiny", "127.0.0.1", TOKEN, weights_over_tls=True)
+    try:
+        assert tls.sender is None and tls.manifest.bulk_port == 0
+        assert fetch(tls, tmp_path / "tls-cache", 0, 4).received == got.received
+    finally:
+        tls.stop()
+    store.sender.stop()  # the port closed: as if a firewall dropped it
+    with caplog.at_level(logging.WARNING, logger="metal_cluster.worker"):
+        again = fetch(store, tmp_path / "fallback-cache", 0, 4)
+    assert again.received == got.received and "fetching over TLS instead" in caplog.text
+
+
+def test_a_bulk_ticket_is_good_once_and_a_forged_one_gets_nothing(store, model):
+    from metal_cluster.stage_worker.transfer import bulk
+
+    def take(ticket):
+        with bulk.connect("127.0.0.1", store.sender.port, ticket) as conn:
+            conn.settimeout(10)
+            data = b""
+            while chunk := conn.recv(65536):
+                data += chunk
+            return data
+
+    path = model / "model.safetensors"
+    ticket = store.sender.grant(path, [(8, 100), (0, 8)], lambda: None)
+    assert take(ticket) == path.read_bytes()[8:108] + path.read_bytes()[:8]
+    assert take(ticket) == b""  # used
+    assert take(b"\0" * bulk.TICKET_BYTES) == b""
+
+
+def test_bytes_changed_on_the_way_are_refused_and_not_kept(store, model, tmp_path):
+    """What a LAN attacker could do to the plaintext port: other bytes than the manifest's. Here
+    the coordinator's file changes under the store with its size and mtime kept (so the store's own
+    check passes): the worker refuses the piece and records nothing of it."""
+    weights = next(f for f in store.manifest.files if f.format == "safetensors")
+    piece = next(p for p in weights.pieces if p.offset >= weights.tensors[0].offset)
+    path = model / "model.safetensors"
+    stat = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(piece.offset + 1)
+        byte = f.read(1)
+        f.seek(piece.offset + 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    cache = tmp_path / "worker-cache"
+    with pytest.raises(ModelLoadError, match="wrong hash"):
+        fetch(store, cache, 0, 4)
+    recorded = (cache / "blobs" / f"{weights.sha256}.pieces").read_text()
+    assert f"{piece.offset} {piece.length} " not in recorded

@@ -1,5 +1,7 @@
 """The coordinator's model store: the manifest of the model it serves, and byte ranges of its files,
-streamed to workers that hold no copy (cluster token checked like every other RPC).
+for workers that hold no copy (cluster token checked like every other RPC). The bytes go over the
+plaintext bulk port (transfer/bulk.py: Grant gives the ticket) or, with `weights_over_tls`, streamed
+over TLS by Read.
 
 The files are checked against the manifest (size, mtime) on every read: a model changed under a
 running cluster is refused, with the file named, instead of handing a worker bytes that match
@@ -17,7 +19,7 @@ import grpc
 
 from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.proto import cluster_pb2_grpc as pb_grpc
-from metal_cluster.stage_worker.transfer import chunk_wire
+from metal_cluster.stage_worker.transfer import bulk, chunk_wire
 from metal_cluster.stage_worker.net import cluster_tls
 from metal_cluster.stage_worker.transfer import manifest as manifests
 from metal_cluster.stage_worker.model.model_source import ModelSource
@@ -28,11 +30,12 @@ CHUNK_BYTES = 4 * 2**20  # one gRPC message; HTTP/2 windows bound what is in fli
 
 
 class ModelStoreService(pb_grpc.ModelStoreServicer):
-    def __init__(self, manifest: pb.ManifestResponse, files: dict[str, Path]):
+    def __init__(self, manifest: pb.ManifestResponse, files: dict[str, Path], sender: bulk.BulkSender | None = None):
         self.manifest = manifest
         self.files = files
         self.stamps = {name: _stamp(path) for name, path in files.items()}
         self.entries = {f.path: f for f in manifest.files}
+        self.sender = sender
 
     def Manifest(self, request, context):
         self._check_version(request.version, context)
@@ -40,6 +43,33 @@ class ModelStoreService(pb_grpc.ModelStoreServicer):
 
     def Read(self, request, context) -> Iterator[bytes]:
         """ReadChunk messages, already in their wire bytes (chunk_wire.py says why)."""
+        path = self._checked(request, context)
+        with open(path, "rb", buffering=0) as f:
+            for p in request.pieces:
+                at, end = p.offset, p.offset + p.length
+                while at < end:
+                    data = os.pread(f.fileno(), min(CHUNK_BYTES, end - at), at)
+                    if not data:
+                        context.abort(grpc.StatusCode.DATA_LOSS, f"{path} is shorter than its manifest says")
+                    yield chunk_wire.encode(at, data)
+                    at += len(data)
+
+    def Grant(self, request, context) -> pb.BulkTicket:
+        if self.sender is None:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this coordinator sends weights over TLS only "
+                          "(`up --weights-over-tls`): use Read")
+        path = self._checked(request, context)
+
+        def unchanged() -> None:  # checked again when the worker connects
+            if _stamp(path) != self.stamps[request.path]:
+                raise OSError(f"{path} changed since its manifest was made")
+
+        ranges = [(p.offset, p.length) for p in request.pieces]
+        return pb.BulkTicket(ticket=self.sender.grant(path, ranges, unchanged))
+
+    def _checked(self, request, context) -> Path:
+        """The file a Read or Grant asks for, once the request is found to be for this manifest,
+        a file of it unchanged since, and ranges inside it; else the RPC is aborted."""
         self._check_version(request.version, context)
         if request.manifest_sha256 != self.manifest.sha256:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
@@ -57,15 +87,7 @@ class ModelStoreService(pb_grpc.ModelStoreServicer):
             if p.offset < 0 or p.length < 0 or p.offset + p.length > entry.size:
                 context.abort(grpc.StatusCode.OUT_OF_RANGE, f"{request.path}: bytes [{p.offset}, "
                               f"{p.offset + p.length}) are outside its {entry.size} bytes")
-        with open(path, "rb", buffering=0) as f:
-            for p in request.pieces:
-                at, end = p.offset, p.offset + p.length
-                while at < end:
-                    data = os.pread(f.fileno(), min(CHUNK_BYTES, end - at), at)
-                    if not data:
-                        context.abort(grpc.StatusCode.DATA_LOSS, f"{path} is shorter than its manifest says")
-                    yield chunk_wire.encode(at, data)
-                    at += len(data)
+        return path
 
     def _check_version(self, version: int, context) -> None:
         if version != PROTO_VERSION:
@@ -83,6 +105,9 @@ def _handlers(service: ModelStoreService) -> grpc.GenericRpcHandler:
             response_serializer=pb.ManifestResponse.SerializeToString),
         "Read": grpc.unary_stream_rpc_method_handler(
             service.Read, request_deserializer=pb.ReadRequest.FromString, response_serializer=bytes),
+        "Grant": grpc.unary_unary_rpc_method_handler(
+            service.Grant, request_deserializer=pb.ReadRequest.FromString,
+            response_serializer=pb.BulkTicket.SerializeToString),
     })
 
 
@@ -96,19 +121,28 @@ class RunningStore:
     address: str
     manifest: pb.ManifestResponse
     server: grpc.Server
+    sender: bulk.BulkSender | None = None
 
     def stop(self) -> None:
+        if self.sender:
+            self.sender.stop()
         self.server.stop(grace=1).wait(5)
 
 
 def start(source: ModelSource, name: str, host: str, token: str, port: int = 0,
-          progress=lambda done, total: None) -> RunningStore:
-    """Build (or reuse) the manifest and serve it on host:port (0: a free port)."""
+          progress=lambda done, total: None, weights_over_tls: bool = False) -> RunningStore:
+    """Build (or reuse) the manifest and serve it on host:port (0: a free port); the weights'
+    bulk port is another free port on `host`, unless `weights_over_tls`."""
     manifest = manifests.build(source, name, progress)
+    sender = None if weights_over_tls else bulk.BulkSender(host)
+    if sender:
+        manifest.bulk_port = sender.port
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="store"))
-    server.add_generic_rpc_handlers([_handlers(ModelStoreService(manifest, manifests.model_files(source)))])
+    server.add_generic_rpc_handlers([_handlers(ModelStoreService(manifest, manifests.model_files(source), sender))])
     bound = cluster_tls.add_port(server, f"{host}:{port}", token, "model-store")
     if not bound:
+        if sender:
+            sender.stop()
         raise OSError(f"the model store cannot listen on {host}:{port}")
     server.start()
-    return RunningStore(f"{host}:{bound}", manifest, server)
+    return RunningStore(f"{host}:{bound}", manifest, server, sender)

@@ -88,7 +88,7 @@ def _claim_if_orphaned(stage: RemoteStage, health, console: Console, deadline: f
     return wait_idle(stage, time.monotonic() + 60)
 
 
-def start_model_store(source, name: str, ip: str, token: str, console: Console):
+def start_model_store(source, name: str, ip: str, token: str, console: Console, weights_over_tls: bool = False):
     """Serve the model to workers that have no copy; its manifest is hashed once (cached after)."""
     import os
 
@@ -100,11 +100,13 @@ def start_model_store(source, name: str, ip: str, token: str, console: Console):
     with Progress("hashing the model for workers", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
                   TimeRemainingColumn(), console=console, transient=True, disable=not console.is_terminal) as bar:
         task = bar.add_task("hash", total=None)
-        store = model_store.start(source, name, ip, token,
+        store = model_store.start(source, name, ip, token, weights_over_tls=weights_over_tls,
                                   progress=lambda done, total: bar.update(task, completed=done, total=total))
     size = sum(f.size for f in store.manifest.files)
+    how = "over TLS" if weights_over_tls else f"in the clear on port {store.manifest.bulk_port}, hash-checked"
     console.print(f"model store: {len(store.manifest.files)} files, {size / 2**20:.1f} MiB "
-                  f"(manifest {store.manifest.sha256[:12]}) at {store.address}: workers fetch their layers from here")
+                  f"(manifest {store.manifest.sha256[:12]}) at {store.address}: workers fetch their layers "
+                  f"from here ({how})")
     os.environ[MODEL_STORE_ENV] = store.address
     os.environ[MANIFEST_ENV] = store.manifest.sha256
     return store

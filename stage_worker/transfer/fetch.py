@@ -9,7 +9,6 @@ the pieces that arrived, so the next one fetches only the rest.
 
 import contextlib
 import errno
-import hashlib
 import json
 import logging
 import os
@@ -23,7 +22,7 @@ import grpc
 
 from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.proto import cluster_pb2_grpc as pb_grpc
-from metal_cluster.stage_worker.transfer import chunk_wire
+from metal_cluster.stage_worker.transfer import bulk, chunk_wire
 from metal_cluster.stage_worker.net import cluster_tls
 from metal_cluster.stage_worker.transfer import manifest as manifests
 from metal_cluster.stage_worker.errors import ModelLoadError, NoRoomError
@@ -39,7 +38,7 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE),
                    ("grpc.experimental.tcp_min_read_chunk_size", 2**20),
                    ("grpc.experimental.tcp_max_read_chunk_size", 8 * 2**20)]
 BATCH_BYTES = 256 * 2**20  # pieces asked for in one Read: a cut-off stream loses little
-WRITES_AHEAD = 8  # chunks received and not yet written and hashed (4 MiB each)
+WRITES_AHEAD = 8  # chunks received and written, not yet hashed (4 MiB each)
 
 
 @dataclass
@@ -56,6 +55,7 @@ class Fetched:
     folder: Path
     tensors: set[str] = field(default_factory=set)  # the tensors this stage holds, as the files name them
     received: int = 0  # bytes that came over the wire for this load
+    seconds: float = 0.0  # of which moving the bytes took this long (no manifest, no small files)
 
 
 def fetch_stage(address: str, manifest_sha: str, start: int, end: int, token: str | None,
@@ -109,21 +109,55 @@ class _Client:
     def __init__(self, stub, address: str, read_raw):
         self.stub, self.address = stub, address
         self.read_raw = read_raw  # Read, its answers as (offset, a view of the data): chunk_wire.py
+        self.bulk_port = 0  # the store's plaintext port for weights (bulk.py); 0: Read over TLS
+        self.buffers = bulk.Buffers(WRITES_AHEAD + 2)  # the hasher holds at most WRITES_AHEAD + 1
 
     def manifest(self) -> pb.ManifestResponse:
         try:
-            return self.stub.Manifest(pb.ManifestRequest(version=PROTO_VERSION), timeout=60)
+            manifest = self.stub.Manifest(pb.ManifestRequest(version=PROTO_VERSION), timeout=60)
         except grpc.RpcError as e:
             why = cluster_tls.refusal(e.details()) or e.details() or e.code().name
             raise ModelLoadError(f"cannot get the model's manifest from {self.address}: {why}") from None
+        self.bulk_port = manifest.bulk_port
+        return manifest
 
     def read(self, manifest_sha: str, path: str, pieces: list[pb.Piece]):
+        """(offset, data, release) of the pieces in order, in chunks that never straddle two pieces;
+        `release()` once a chunk is written and hashed."""
         req = pb.ReadRequest(version=PROTO_VERSION, manifest_sha256=manifest_sha, path=path,
                              pieces=[pb.Piece(offset=p.offset, length=p.length) for p in pieces])
         try:
-            yield from self.read_raw(req)
+            conn = self._bulk_connection(req)
+            if conn is None:
+                for offset, data in self.read_raw(req):
+                    yield offset, data, _nothing
+                return
         except grpc.RpcError as e:
             raise ModelLoadError(f"fetching {path} from {self.address} failed: {e.details() or e.code().name}") from None
+        try:
+            yield from bulk.receive(conn, [(p.offset, p.length) for p in pieces], self.buffers)
+        except (OSError, EOFError) as e:
+            raise ModelLoadError(f"fetching {path} from {self.address} (weights port {self.bulk_port}) "
+                                 f"failed: {e}") from None
+
+    def _bulk_connection(self, req: pb.ReadRequest):
+        """A connection to the store's weights port holding a ticket for `req`; None to use Read
+        (the store sends over TLS only, or its port cannot be reached from here: then from now on)."""
+        if not self.bulk_port:
+            return None
+        ticket = self.stub.Grant(req, timeout=60).ticket
+        host = bulk.host_of(self.address)
+        try:
+            return bulk.connect(host, self.bulk_port, ticket)
+        except OSError as e:
+            log.warning("the model store's weights port %s:%d cannot be reached (%s): fetching over TLS instead",
+                        host, self.bulk_port, e)
+            self.bulk_port = 0
+            return None
+
+
+def _nothing() -> None:
+    pass
 
 
 class _Fetch:
@@ -133,6 +167,7 @@ class _Fetch:
         self.cache_limit = cache_limit
         self.folder = root / "models" / manifest.sha256[:16]
         self.received = 0
+        self.seconds = 0.0
 
     def run(self, start: int, end: int) -> Fetched:
         wanted, kept = self.plan(start, end)
@@ -140,7 +175,7 @@ class _Fetch:
         weights = [entry for entry, _ in wanted.values()]
         self._link(weights)
         self._write_gguf_source(weights)
-        return Fetched(self.folder, kept, self.received)
+        return Fetched(self.folder, kept, self.received, self.seconds)
 
     def plan(self, start: int, end: int) -> tuple[dict[str, tuple[pb.ModelFile, list[pb.Piece]]], set[str]]:
         """The small files, fetched; and the pieces of the weight files the stage reads, with the
@@ -183,44 +218,53 @@ class _Fetch:
                 for batch in _batches(pieces):
                     self._read_into(entry, batch)
         took = max(time.monotonic() - began, 1e-6)
-        log.info("fetched %d bytes for %s in %.1fs (%.1f MB/s)", need, what, took, need / took / 1e6)
+        self.seconds += took
+        log.info("fetched %d bytes for %s in %.2fs (%.1f MB/s)", need, what, took, need / took / 1e6)
 
     def _read_into(self, entry: pb.ModelFile, pieces: list[pb.Piece]) -> None:
-        """Receive on this thread, write and hash on another: gRPC's receive, pwrite and sha256 all
-        release the GIL, so they overlap. A piece is recorded once all of it is written and matches."""
+        """Receive and write on this thread, hash on another: the socket, pwrite and the hash all
+        release the GIL, so they overlap (writing on the hashing thread instead halved the rate:
+        bench/README.md). A piece is recorded once all of it is written and matches."""
         fd = self.blobs.open_for_write(entry)
-        writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch-write")  # one: in order
+        hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch-hash")  # one: in order
         pending = []
         try:
             queue = iter(pieces)
-            piece, h, at = next(queue), hashlib.sha256(), 0
-            for offset, data in self.client.read(self.manifest.sha256, entry.path, pieces):
-                if piece is None or offset != piece.offset + at or at + len(data) > piece.length:
-                    raise ModelLoadError(f"the model store sent bytes of {entry.path} out of order")
+            piece, h, at = next(queue), manifests.piece_hash(), 0
+            for offset, data, release in self.client.read(self.manifest.sha256, entry.path, pieces):
+                try:
+                    if piece is None or offset != piece.offset + at or at + len(data) > piece.length:
+                        raise ModelLoadError(f"the model store sent bytes of {entry.path} out of order")
+                    _write(fd, data, offset)
+                except BaseException:
+                    release()
+                    raise
                 at += len(data)
                 done = piece if at == piece.length else None
-                pending.append(writer.submit(self._write_chunk, fd, entry, data, offset, h, done))
+                pending.append(hasher.submit(self._hash_chunk, entry, data, h, done, release))
                 self.received += len(data)
                 self.progress.received += len(data)
                 self.progress.done += len(data)
                 if done:
-                    piece, h, at = next(queue, None), hashlib.sha256(), 0
+                    piece, h, at = next(queue, None), manifests.piece_hash(), 0
                 while len(pending) > WRITES_AHEAD or (pending and pending[0].done()):
                     pending.pop(0).result()
             if piece is not None:
                 raise ModelLoadError(f"the model store ended {entry.path} early (at byte {piece.offset + at})")
         finally:
-            writer.shutdown(wait=True)  # what arrived is written and recorded, even when the stream broke
+            hasher.shutdown(wait=True)  # what arrived is hashed and recorded, even when the stream broke
             os.close(fd)
         for f in pending:
             f.result()
 
-    def _write_chunk(self, fd: int, entry: pb.ModelFile, data: memoryview, offset: int, h, piece: pb.Piece | None):
-        _write(fd, data, offset)
-        h.update(data)
+    def _hash_chunk(self, entry: pb.ModelFile, data: memoryview, h, piece: pb.Piece | None, release) -> None:
+        try:
+            h.update(data)
+        finally:
+            release()
         if piece is None:
             return
-        if h.hexdigest() != piece.sha256:
+        if h.hexdigest() != piece.blake3:
             raise ModelLoadError(f"a piece of {entry.path} at byte {piece.offset} arrived with the wrong "
                                  "hash: the coordinator's copy changed or the link corrupts data")
         self.blobs.record(entry.sha256, piece)

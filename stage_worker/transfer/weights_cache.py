@@ -9,12 +9,12 @@ truncated on disk is found and fetched again; one that never finished arriving w
 
 import contextlib
 import fcntl
-import hashlib
 import logging
 import os
 from pathlib import Path
 
 from metal_cluster.proto import pb
+from metal_cluster.stage_worker.transfer import manifest as manifests
 
 log = logging.getLogger("metal_cluster.worker")
 READ_BYTES = 8 * 2**20
@@ -55,9 +55,9 @@ class BlobStore:
         with contextlib.ExitStack() as stack:
             f = stack.enter_context(open(path, "rb")) if path.exists() and have else None
             for p in wanted:
-                if (p.offset, p.length, p.sha256) not in have:
+                if (p.offset, p.length, p.blake3) not in have:
                     out.append(p)
-                elif _hash_range(f, p.offset, p.length) != p.sha256:
+                elif _hash_range(f, p.offset, p.length) != p.blake3:
                     out.append(p)
                     bad += 1
         if bad:
@@ -71,7 +71,7 @@ class BlobStore:
         total = 0
         for entry, pieces in wanted:
             have = self.recorded(entry.sha256)
-            total += sum(p.length for p in pieces if (p.offset, p.length, p.sha256) not in have)
+            total += sum(p.length for p in pieces if (p.offset, p.length, p.blake3) not in have)
         return total
 
     def open_for_write(self, entry: pb.ModelFile) -> int:
@@ -115,11 +115,11 @@ class BlobStore:
 
     def record(self, sha: str, piece: pb.Piece) -> None:
         with open(self.root / f"{sha}.pieces", "a") as f:
-            f.write(f"{piece.offset} {piece.length} {piece.sha256}\n")
+            f.write(f"{piece.offset} {piece.length} {piece.blake3}\n")
 
 
 def _hash_range(f, offset: int, length: int) -> str:
-    h = hashlib.sha256()
+    h = manifests.piece_hash()
     f.seek(offset)
     left = length
     while left:

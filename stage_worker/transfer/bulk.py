@@ -1,0 +1,187 @@
+"""The weights' plaintext link: a model store's byte ranges over one plain TCP connection.
+
+TLS costs each end of a transfer 1.3-2.1 CPU seconds per GiB, several times what the bytes
+themselves cost (bench/README.md, "Weights over the model store"), and a cluster's weights are
+mostly public checkpoints; its hidden states already cross the LAN in the clear on the ring. So by
+default the weights do too, while what makes them trustworthy travels over TLS: the manifest,
+with every piece's BLAKE3, and a one-time ticket naming the ranges (ModelStore.Grant). The worker
+checks each piece against the manifest as it arrives and records only those that match, so a LAN
+observer can read the weights but nobody can change them unnoticed. `up --weights-over-tls` keeps
+them on the TLS stream (ModelStore.Read) instead.
+
+The wire: the worker connects to the store's bulk port and sends its ticket; the store sends the
+granted ranges' bytes back to back (`sendfile`: no copy through Python) and closes. Lengths are the
+ticket's, so there is no framing. A ticket is good for one connection, within GRANT_SECONDS.
+"""
+
+import logging
+import queue
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("metal_cluster.model_store")
+
+TICKET_BYTES = 32
+GRANT_SECONDS = 60.0  # a ticket not used by then is forgotten
+IO_TIMEOUT = 30.0  # a peer silent this long, mid-transfer, is gone
+CHUNK_BYTES = 4 * 2**20  # what the receiver hands on at a time: written here, hashed on another thread
+
+
+@dataclass
+class _Grant:
+    path: Path
+    ranges: list[tuple[int, int]]  # (offset, length), in order
+    expires: float
+    check: Callable[[], None]  # raises OSError when the file changed since its manifest
+
+
+class BulkSender:
+    """The store's side: a plain TCP port that sends granted ranges of the model's files."""
+
+    def __init__(self, host: str):
+        self.listener = socket.create_server((host, 0))
+        self.port = self.listener.getsockname()[1]
+        self.grants: dict[bytes, _Grant] = {}
+        self.open: set[socket.socket] = set()
+        self.lock = threading.Lock()
+        self.stopped = False
+        self.sent = 0  # bytes sent, all transfers
+        threading.Thread(target=self._accept, name="bulk-accept", daemon=True).start()
+
+    def grant(self, path: Path, ranges: list[tuple[int, int]], check: Callable[[], None]) -> bytes:
+        ticket = secrets.token_bytes(TICKET_BYTES)
+        now = time.monotonic()
+        with self.lock:
+            self.grants = {t: g for t, g in self.grants.items() if g.expires > now}
+            self.grants[ticket] = _Grant(path, ranges, now + GRANT_SECONDS, check)
+        return ticket
+
+    def stop(self) -> None:
+        """Stop listening and cut every transfer under way (the receivers keep what arrived)."""
+        with self.lock:
+            self.stopped = True
+            conns, self.open = list(self.open), set()
+        _close(self.listener)
+        for conn in conns:
+            _close(conn)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, peer = self.listener.accept()
+            except OSError:
+                return  # stopped
+            with self.lock:
+                if self.stopped:
+                    _close(conn)
+                    return
+                self.open.add(conn)
+            threading.Thread(target=self._serve, args=(conn, peer), name="bulk-send", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer) -> None:
+        try:
+            conn.settimeout(IO_TIMEOUT)
+            ticket = _recv_exact(conn, TICKET_BYTES)
+            with self.lock:
+                grant = self.grants.pop(ticket, None)
+            if grant is None or grant.expires < time.monotonic():
+                log.warning("refused a weights connection from %s: no such ticket (used, expired or forged)", peer[0])
+                return
+            grant.check()
+            with open(grant.path, "rb") as f:
+                for offset, length in grant.ranges:
+                    sent = conn.sendfile(f, offset, length)
+                    with self.lock:
+                        self.sent += sent
+                    if sent != length:
+                        log.warning("%s is shorter than its manifest says; cut the transfer to %s", grant.path, peer[0])
+                        return
+        except OSError as e:
+            if not self.stopped:
+                log.info("a weights transfer to %s ended early: %s", peer[0], e)
+        finally:
+            with self.lock:
+                self.open.discard(conn)
+            _close(conn)
+
+
+class Buffers:
+    """A fixed set of chunk buffers: the receiver takes one to fill, the hasher gives it back, so
+    at most `count` chunks are in flight and no buffer is allocated per chunk."""
+
+    def __init__(self, count: int, size: int = CHUNK_BYTES):
+        self.free: queue.Queue[memoryview] = queue.Queue()
+        for _ in range(count):
+            self.free.put(memoryview(bytearray(size)))
+
+    def take(self) -> memoryview:
+        try:
+            return self.free.get(timeout=IO_TIMEOUT)
+        except queue.Empty:
+            raise TimeoutError("no chunk buffer came back: the hashing thread is stuck") from None
+
+    def give(self, buf: memoryview) -> None:
+        self.free.put(buf)
+
+
+def connect(host: str, port: int, ticket: bytes) -> socket.socket:
+    """A connection to the store's bulk port that has shown its ticket (OSError if none can be made)."""
+    conn = socket.create_connection((host, port), timeout=IO_TIMEOUT)
+    try:
+        conn.sendall(ticket)
+    except OSError:
+        conn.close()
+        raise
+    return conn
+
+
+def receive(conn: socket.socket, ranges: list[tuple[int, int]],
+            buffers: Buffers) -> Iterator[tuple[int, memoryview, Callable[[], None]]]:
+    """(offset, data, release) for the granted ranges in order, in chunks of at most a buffer that
+    never straddle two ranges; `release()` gives the chunk's buffer back once it is used. Closes
+    `conn`. OSError (a TimeoutError too) when the link fails; EOFError when the store ends early."""
+    with conn:
+        for offset, length in ranges:
+            at, end = offset, offset + length
+            while at < end:
+                buf = buffers.take()
+                n = min(len(buf), end - at)
+                try:
+                    _recv_into_exact(conn, buf[:n])
+                except BaseException:
+                    buffers.give(buf)
+                    raise
+                yield at, buf[:n], lambda buf=buf: buffers.give(buf)
+                at += n
+
+
+def _recv_exact(conn: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into_exact(conn, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into_exact(conn: socket.socket, view: memoryview) -> None:
+    while view:
+        got = conn.recv_into(view)
+        if not got:
+            raise EOFError("the peer closed the connection early")
+        view = view[got:]
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
+
+
+def host_of(address: str) -> str:
+    """The host of a `host:port` gRPC address (`[v6]:port` too)."""
+    return address.rpartition(":")[0].strip("[]")

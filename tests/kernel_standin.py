@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -31,7 +32,8 @@ import numpy as np
 
 CUDA_TYPES = {mx.float32: "float", mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.int32: "int32_t"}
 NVCC = shutil.which("nvcc")
-GXX = shutil.which("g++")
+# The emulation's fibers are glibc's ucontext: Linux only.
+GXX = shutil.which("g++") if sys.platform.startswith("linux") else None
 _BUILD = Path(tempfile.gettempdir()) / f"metal_cluster_kernel_standin_{os.getuid()}"
 
 

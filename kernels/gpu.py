@@ -6,11 +6,15 @@ builders glue them together for `mx.fast.metal_kernel` or `mx.fast.cuda_kernel`.
 (CUDA block) is always 4 SIMD groups / warps of 32 lanes, so the same reductions work on both.
 
 Three kernels:
-- decode (every request has one query): one threadgroup per (request, kv head[, KV split]). It
-  serves all the GQA query heads of that kv head, so each K/V row is read from memory once. A
-  key row is read by a few lanes with 16-byte loads (`decode_layout`: 16 lanes for bf16 x 128),
-  so a warp reads several rows side by side, each such slot several keys ahead; every slot keeps
-  its own online softmax and the slots merge once at the end (shuffles, then shared memory).
+- decode (every request has one query): one threadgroup per (request, kv head[, head tile][, KV
+  split]). It serves all the GQA query heads of that kv head, so each K/V row is read from memory
+  once; past a register budget (`decode_plan`: GQA > 16 at head dim 128, MLA's 16-128 heads) the
+  heads are tiled over threadgroups, each K row then read once per tile. A key row is read by a
+  few lanes with 16-byte loads (`decode_layout`: 16 lanes for bf16 x 128), so a warp reads several
+  rows side by side, each such slot several keys ahead; every slot keeps its own online softmax
+  and the slots merge once at the end (shuffles, then shared memory). For MLA (DeepSeek V2/V3's
+  absorbed decode) V is the leading `v_dim` values of each K row (the latent, 512 of 576): the
+  lanes' K registers serve as V, so no second row is read and no V pool exists.
 - split-KV reduce: when there are too few (request, kv head) pairs to fill the GPU, the context is
   cut into partitions computed by separate threadgroups (`plan_decode_splits`); this pass merges
   their partial (max, sum, unnormalised output) into the final row.
@@ -21,8 +25,8 @@ Three kernels:
   split the head dim, so the softmax needs only a few shuffles per 16 keys.
 
 Runtime values (request count, block size, window, partition, block-table stride) travel in one
-small int32 array so that a new step never recompiles; only dtype, head dim and the GQA ratio are
-compile-time (they size register arrays).
+small int32 array so that a new step never recompiles; only dtype, head dims (K, V), the GQA ratio
+and its head tile are compile-time (they size register arrays).
 
 Every warp collective (shuffle, simd_sum, warp barrier) runs on all 32 lanes, and every loop that
 holds one has a warp-uniform trip count: on CUDA a full-mask shuffle that only some lanes reach is

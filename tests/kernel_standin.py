@@ -40,7 +40,8 @@ _BUILD = Path(tempfile.gettempdir()) / f"metal_cluster_kernel_standin_{os.getuid
 def cuda_translation_unit(name, header, source, inputs, outputs, template, device_header):
     """The unit MLX's build_kernel makes: `inputs`/`outputs` are [(name, mx dtype)], `template`
     [(name, mx dtype)] becomes `using name = <type>;` at the top of the body."""
-    params = [f"    const {CUDA_TYPES[dtype]}* {n}" for n, dtype in inputs] + [f"    {CUDA_TYPES[dtype]}* {n}" for n, dtype in outputs]
+    params = [f"    const {CUDA_TYPES[dtype]}* {n}" for n, dtype in inputs]
+    params += [f"    {CUDA_TYPES[dtype]}* {n}" for n, dtype in outputs]
     usings = "".join(f"  using {n} = {CUDA_TYPES[dtype]};\n" for n, dtype in template)
     return (device_header + header + "namespace mlx::core::cu {\n\n"
             + f"__global__ void custom_kernel_{name}(\n" + ",\n".join(params) + ") {\n"

@@ -4,6 +4,7 @@
 1. Attention alone: `metal_cluster.kernels.gpu` (paged, shuffled blocks) against
    `mx.fast.scaled_dot_product_attention` over contiguous K/V of the same shapes (Qwen3-1.7B's
    attention: 16 heads, 8 kv heads, head dim 128, bf16), decode and causal prefill.
+   MLA's absorbed decode (`--sections mla`): DeepSeek-V2-Lite / V3 shapes, kernel vs reference vs SDPA.
 2. Decode tokens/s of a random-weight Qwen3-1.7B-shaped model (bf16) through the stage runner
    (kernel; and the MLX-ops reference for scale) against mlx-lm's own generation (`generate_step`
    at batch 1, `BatchGenerator` at batch 32).
@@ -113,6 +114,32 @@ def bench_mixed(decodes: int, ctx: int, chunk: int, iters: int) -> dict:
     ref = time_per_call(lambda: paged_attention_reference(q, k_pool, v_pool, meta, scale), iters)
     return dict(decodes=decodes, ctx=ctx, chunk=chunk, kernel_us=kernel * 1e6, paged_us=paged * 1e6,
                 reference_us=ref * 1e6)
+
+
+def bench_mla_decode(heads: int, batch: int, ctx: int, iters: int) -> dict:
+    """MLA's absorbed decode (DeepSeek-V2-Lite: 16 heads, V3: 128; one 576-wide latent entry per
+    token, V its first 512 values): the decode kernel through `paged_attention(..., v_dim=512)`,
+    the MLX-ops reference it replaces, and MLX's SDPA over a contiguous cache (mlx-lm's own path)."""
+    dim, latent, scale = 576, 512, 192 ** -0.5
+    need = -(-ctx // BLOCK)
+    ids = list(range(1, 1 + batch * need))
+    random.Random(0).shuffle(ids)
+    meta = AttentionMetadata(
+        cu_seqlens_q=mx.arange(batch + 1, dtype=mx.int32), seq_lens=mx.array([ctx] * batch, dtype=mx.int32),
+        block_tables=mx.array([ids[r * need : (r + 1) * need] for r in range(batch)], dtype=mx.int32),
+        block_size=BLOCK, query_lens_host=[1] * batch, seq_lens_host=[ctx] * batch,
+    )
+    q = mx.random.normal((batch, heads, dim)).astype(DTYPE)
+    pool = mx.random.normal((1 + batch * need, BLOCK, 1, dim)).astype(DTYPE)
+    mx.eval(q, pool)
+    kernel = time_per_call(lambda: paged_attention(q, pool, None, meta, scale, v_dim=latent), iters)
+    ref = time_per_call(lambda: paged_attention_reference(q, pool, pool[..., :latent], meta, scale), iters)
+    qs = q[:, :, None, :]
+    k = mx.random.normal((batch, 1, ctx, dim)).astype(DTYPE)
+    mx.eval(qs, k)
+    sdpa = time_per_call(lambda: mx.fast.scaled_dot_product_attention(qs, k, k[..., :latent], scale=scale), iters)
+    return dict(heads=heads, batch=batch, ctx=ctx, kernel_us=kernel * 1e6, reference_us=ref * 1e6,
+                sdpa_us=sdpa * 1e6, kernel_vs_sdpa=kernel / sdpa)
 
 
 def sweep_decode(iters: int) -> list[dict]:
@@ -250,13 +277,13 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer shapes and steps")
     ap.add_argument("--skip-model", action="store_true")
     ap.add_argument("--sweep", action="store_true", help="also sweep the decode kernel's tuning knobs")
-    ap.add_argument("--sections", default="decode,prefill,mixed,model", help="comma-separated subset to run")
+    ap.add_argument("--sections", default="decode,prefill,mixed,mla,model", help="comma-separated subset to run")
     args = ap.parse_args()
     backend = gpu_backend()
     if backend is None:
         sys.exit("bench/kernels.py needs a GPU (Metal or CUDA): on the CPU paged_attention is the reference")
     print(f"backend={backend} device={mx.default_device()} mlx={mx.__version__}", flush=True)
-    results = dict(backend=backend, decode=[], prefill=[], mixed=[], model=[])
+    results = dict(backend=backend, decode=[], prefill=[], mixed=[], mla=[], model=[])
     if args.sweep:
         results["sweep"] = sweep_decode(iters=50)
     batches = [1, 8, 32, 64] if not args.quick else [1, 32]
@@ -285,6 +312,14 @@ def main():
             row = dict(decodes=decodes, ctx=ctx, chunk=chunk, error=repr(e))
         results["mixed"].append(row)
         print(f"mixed {row}", flush=True)
+    mla = [(h, b, c) for h in (16, 128) for b in ((1, 32) if args.quick else (1, 8, 32)) for c in (1024, 4096)]
+    for heads, b, c in mla if "mla" in sections else []:
+        try:
+            row = bench_mla_decode(heads, b, c, iters=20)
+        except Exception as e:
+            row = dict(heads=heads, batch=b, ctx=c, error=repr(e))
+        results["mla"].append(row)
+        print(f"mla {row}", flush=True)
     if not args.skip_model and "model" in sections:
         try:
             results["model"] = bench_model([1, 32], prompt_len=128, warm=4, steps=32 if not args.quick else 16,

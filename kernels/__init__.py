@@ -53,16 +53,28 @@ def gated_delta(q, k, v, g, beta, state):
     return y, new_state
 
 
-def paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, scale: float, sliding_window=None, sinks=None):
+def paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, scale: float, sliding_window=None, sinks=None,
+                    v_dim: int | None = None):
     """Attention of packed queries `q` [total_q, H, D] over each request's paged context.
 
     `k_pool`/`v_pool` are one layer's pools, [num_blocks, block_size, kv_heads, D], already holding
     the K/V of this step's tokens. `sinks` [H]: one learned logit per head that joins each softmax
-    with no value (GPT-OSS). Returns [total_q, H, D].
+    with no value (GPT-OSS). `v_dim` (with `v_pool` None): V is the leading v_dim values of each K
+    row, read in place (MLA's latent entries; a slice of the pool would be copied per call, since
+    the kernels take row-contiguous inputs). Returns [total_q, H, D], or [total_q, H, v_dim].
     """
+    if v_dim is not None:
+        if v_pool is not None:
+            raise ValueError("paged_attention: pass v_pool=None with v_dim (V is then the K rows' leading values)")
+    elif v_pool is None:
+        raise ValueError("paged_attention: v_pool is None but no v_dim says where V is")
     backend = gpu_backend()
-    if backend is None or not _fast.supports(q, k_pool, meta, v_pool):
-        return paged_attention_reference(q, k_pool, v_pool, meta, scale, sliding_window, sinks)
+    if backend is None or not _fast.supports(q, k_pool, meta, v_pool, v_dim=v_dim):
+        v = k_pool[..., :v_dim] if v_dim is not None else v_pool
+        return paged_attention_reference(q, k_pool, v, meta, scale, sliding_window, sinks)
+    if v_dim is not None:  # decodes only (supports says so): the decode kernel reads V in the K rows
+        return _fast.paged_attention_kernel(q, k_pool, None, meta, scale, sliding_window, backend=backend, sinks=sinks,
+                                            v_dim=v_dim)
     split = _split_batch(meta)
     if split is None:
         return _fast.paged_attention_kernel(q, k_pool, v_pool, meta, scale, sliding_window, backend=backend, sinks=sinks)

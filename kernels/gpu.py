@@ -6,11 +6,15 @@ builders glue them together for `mx.fast.metal_kernel` or `mx.fast.cuda_kernel`.
 (CUDA block) is always 4 SIMD groups / warps of 32 lanes, so the same reductions work on both.
 
 Three kernels:
-- decode (every request has one query): one threadgroup per (request, kv head[, KV split]). It
-  serves all the GQA query heads of that kv head, so each K/V row is read from memory once. A
-  key row is read by a few lanes with 16-byte loads (`decode_layout`: 16 lanes for bf16 x 128),
-  so a warp reads several rows side by side, each such slot several keys ahead; every slot keeps
-  its own online softmax and the slots merge once at the end (shuffles, then shared memory).
+- decode (every request has one query): one threadgroup per (request, kv head[, head tile][, KV
+  split]). It serves all the GQA query heads of that kv head, so each K/V row is read from memory
+  once; past a register budget (`decode_plan`: GQA > 16 at head dim 128, MLA's 16-128 heads) the
+  heads are tiled over threadgroups, each K row then read once per tile. A key row is read by a
+  few lanes with 16-byte loads (`decode_layout`: 16 lanes for bf16 x 128), so a warp reads several
+  rows side by side, each such slot several keys ahead; every slot keeps its own online softmax
+  and the slots merge once at the end (shuffles, then shared memory). For MLA (DeepSeek V2/V3's
+  absorbed decode) V is the leading `v_dim` values of each K row (the latent, 512 of 576): the
+  lanes' K registers serve as V, so no second row is read and no V pool exists.
 - split-KV reduce: when there are too few (request, kv head) pairs to fill the GPU, the context is
   cut into partitions computed by separate threadgroups (`plan_decode_splits`); this pass merges
   their partial (max, sum, unnormalised output) into the final row.
@@ -21,8 +25,8 @@ Three kernels:
   split the head dim, so the softmax needs only a few shuffles per 16 keys.
 
 Runtime values (request count, block size, window, partition, block-table stride) travel in one
-small int32 array so that a new step never recompiles; only dtype, head dim and the GQA ratio are
-compile-time (they size register arrays).
+small int32 array so that a new step never recompiles; only dtype, head dims (K, V), the GQA ratio
+and its head tile are compile-time (they size register arrays).
 
 Every warp collective (shuffle, simd_sum, warp barrier) runs on all 32 lanes, and every loop that
 holds one has a warp-uniform trip count: on CUDA a full-mask shuffle that only some lanes reach is
@@ -61,6 +65,61 @@ def decode_layout(head_dim: int, itemsize: int) -> tuple[int, int]:
             break
         vec //= 2
     return vec, min(32, head_dim // vec)
+
+
+# Per-lane float registers the decode kernel may spend on its query heads (query and accumulator,
+# EPL + EPV a head). Up to REGISTERS_WHOLE one threadgroup serves every query head of its kv head
+# (all the existing shapes: GQA 16 x (8 + 8) at most, so their code is what it was, though nvcc 13
+# for sm_90 spills ~1.2 KB at GQA 16 x bf16 x 128); past it (MLA's 16-128 heads over one 576-wide KV
+# head) the heads are tiled over threadgroups, each tile within REGISTERS_TILE (MLA: 4 heads x
+# (18 + 16) a tile, 253 registers and no spill on sm_90; tests/test_kernels.py checks with nvcc).
+REGISTERS_WHOLE = 256
+REGISTERS_TILE = 144
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The decode kernel's compile-time layout for one shape (see `decode_plan`)."""
+
+    head_dim: int  # K head dim
+    v_dim: int  # V head dim: head_dim, or MLA's latent width (V = the K row's leading v_dim values)
+    gqa: int
+    vec: int  # elements per load of a row's V part
+    lanes_per_key: int
+    tail_vec: int  # elements per load of the K row's tail (head_dim - v_dim), 1 when none
+    heads_per_group: int  # query heads one threadgroup serves (== gqa: no head tiling)
+    keys_per_step: int
+    shared_v: bool
+
+    @property
+    def head_tiles(self) -> int:
+        return self.gqa // self.heads_per_group
+
+
+def decode_plan(head_dim: int, gqa: int, itemsize: int, v_dim: int | None = None, shared_v: bool = False,
+                keys_per_step: int | None = None) -> DecodePlan | None:
+    """The decode kernel's layout, or None for a shape it does not take. The V part (the row's
+    first v_dim values) is laid out as `decode_layout` says; a K tail past it (MLA's rope part) is
+    read by the same lanes in loads as wide as its share allows."""
+    v_dim = head_dim if v_dim is None else v_dim
+    if v_dim <= 0 or v_dim > head_dim or (v_dim != head_dim and not shared_v):
+        return None
+    vec, lanes = decode_layout(v_dim, itemsize)
+    tail = head_dim - v_dim
+    if v_dim % (vec * lanes) or head_dim % vec or tail % lanes:
+        return None
+    tail_vec = 1
+    while tail and (tail // lanes) % (2 * tail_vec) == 0 and 2 * tail_vec <= vec:
+        tail_vec *= 2
+    per_head = head_dim // lanes + v_dim // lanes  # qv + acc floats a lane
+    if per_head > REGISTERS_TILE:
+        return None
+    heads = gqa
+    if gqa * per_head > REGISTERS_WHOLE:
+        heads = max(h for h in range(1, gqa + 1) if gqa % h == 0 and h * per_head <= REGISTERS_TILE)
+    if keys_per_step is None:
+        keys_per_step = keys_per_warp_step(gqa) if heads == gqa else 2
+    return DecodePlan(head_dim, v_dim, gqa, vec, lanes, tail_vec, heads, keys_per_step, shared_v)
 
 
 # The prefill / mixed kernel serves batches with multi-token queries; METAL_CLUSTER_PREFILL_KERNEL=0
@@ -136,6 +195,7 @@ _PROLOGUE = {
 
 _CONSTANTS = """
   constexpr int D = {head_dim};
+  constexpr int DV = {v_dim};  // V head dim: D, or (MLA) the leading DV values of each K row
   constexpr int G = {gqa};
   constexpr int NSG = {warps};
   constexpr int DPL = D / 32;  // head-dim elements per lane: lane owns d = i * 32 + lane
@@ -160,17 +220,31 @@ _DECODE_BODY = """
   // loads where the head dim allows); a warp reads KPW rows side by side, the threadgroup SLOTS.
   // Every slot keeps its own online softmax, so the main loop needs shuffles only for the dot
   // products (log2(LPK) per key and head, shared by KPW keys); slots merge once at the end.
+  // A K row is its first DV values (the V part: NV vectors a lane) and a tail of D - DV (NT
+  // vectors of TVEC a lane; none unless MLA). SHARED_V: V is that leading part of the K row itself
+  // (MLA's latent), so the K registers serve as V and no second row is read.
+  // The threadgroup serves HT of the G query heads of its kv head (head tile ht of NHT): large
+  // GQA ratios are tiled, since the per-head registers (query and accumulator) grow with them.
   constexpr int VEC = {vec};
   constexpr int LPK = {lanes_per_key};
-  constexpr int EPL = D / LPK;
-  constexpr int NV = EPL / VEC;
+  constexpr int NV = DV / (LPK * VEC);
+  constexpr int EPV = NV * VEC;  // V-part elements per lane
+  constexpr int TVEC = {tail_vec};
+  constexpr int NT = (D - DV) / (LPK * TVEC);
+  constexpr int EPL = EPV + NT * TVEC;  // K elements per lane
   constexpr int KPW = 32 / LPK;
   constexpr int SLOTS = NSG * KPW;
   constexpr int U = {keys_per_step};  // keys per slot in flight per step
+  constexpr int HT = {heads_per_group};
+  constexpr int NHT = G / HT;
+  constexpr bool SHARED_V = {shared_v};
   typedef PaVec<T, VEC> Row;
+  typedef PaVec<T, TVEC> TailRow;
   const int split = tg_id % num_splits;
-  const int kvh = (tg_id / num_splits) % KVH;
-  const int r = tg_id / (num_splits * KVH);
+  const int ht = (tg_id / num_splits) % NHT;
+  const int kvh = (tg_id / (num_splits * NHT)) % KVH;
+  const int r = tg_id / (num_splits * NHT * KVH);
+  const int h0 = kvh * G + ht * HT;  // this threadgroup's first query head
   const int ctx = seq_lens[r];
   const int q_row = cu_seqlens_q[r];
   const int pos = ctx - 1;  // the one query sits at the end of its context
@@ -180,16 +254,21 @@ _DECODE_BODY = """
   const int slot = warp * KPW + lane / LPK;
   const int sl = lane % LPK;
 
-  float qv[G][EPL];
-  float acc[G][EPL];
-  float m[G];
-  float l[G];
-  UNROLL for (int g = 0; g < G; ++g) {{
-    const INDEX qbase = ((INDEX)q_row * H + kvh * G + g) * D;
+  float qv[HT][EPL];
+  float acc[HT][EPV];
+  float m[HT];
+  float l[HT];
+  UNROLL for (int g = 0; g < HT; ++g) {{
+    const INDEX qbase = ((INDEX)q_row * H + h0 + g) * D;
     UNROLL for (int c = 0; c < NV; ++c) {{
       UNROLL for (int x = 0; x < VEC; ++x) {{
         qv[g][c * VEC + x] = static_cast<float>(q[qbase + (c * LPK + sl) * VEC + x]) * qk_scale;
         acc[g][c * VEC + x] = 0.0f;
+      }}
+    }}
+    UNROLL for (int c = 0; c < NT; ++c) {{
+      UNROLL for (int x = 0; x < TVEC; ++x) {{
+        qv[g][EPV + c * TVEC + x] = static_cast<float>(q[qbase + DV + (c * LPK + sl) * TVEC + x]) * qk_scale;
       }}
     }}
     m[g] = NEG_BIG;
@@ -202,41 +281,51 @@ _DECODE_BODY = """
   for (int kb = k_begin; kb + warp * KPW < k_end; kb += SLOTS * U) {{
     Row kr[U][NV];
     Row vr[U][NV];
+    TailRow tr[U][NT > 0 ? NT : 1];
     UNROLL for (int j = 0; j < U; ++j) {{
       const int k = MINI(kb + j * SLOTS + slot, k_end - 1);
       const int blk = bs_shift >= 0 ? (k >> bs_shift) : k / BS;
-      const INDEX base = (((INDEX)table[blk] * BS + (k - blk * BS)) * KVH + kvh) * D;
+      const INDEX row = ((INDEX)table[blk] * BS + (k - blk * BS)) * KVH + kvh;
+      const INDEX base = row * D;
       UNROLL for (int c = 0; c < NV; ++c) {{
         kr[j][c] = *reinterpret_cast<const GLOBAL Row*>(k_pool + base + (c * LPK + sl) * VEC);
-        vr[j][c] = *reinterpret_cast<const GLOBAL Row*>(v_pool + base + (c * LPK + sl) * VEC);
+        if (!SHARED_V) vr[j][c] = *reinterpret_cast<const GLOBAL Row*>(v_pool + row * DV + (c * LPK + sl) * VEC);
+      }}
+      UNROLL for (int c = 0; c < NT; ++c) {{
+        tr[j][c] = *reinterpret_cast<const GLOBAL TailRow*>(k_pool + base + DV + (c * LPK + sl) * TVEC);
       }}
     }}
-    float s[U][G];
+    float s[U][HT];
     UNROLL for (int j = 0; j < U; ++j) {{
       float kf[EPL];
       UNROLL for (int c = 0; c < NV; ++c) {{
         UNROLL for (int x = 0; x < VEC; ++x) kf[c * VEC + x] = static_cast<float>(kr[j][c].v[x]);
       }}
-      UNROLL for (int g = 0; g < G; ++g) {{
+      UNROLL for (int c = 0; c < NT; ++c) {{
+        UNROLL for (int x = 0; x < TVEC; ++x) kf[EPV + c * TVEC + x] = static_cast<float>(tr[j][c].v[x]);
+      }}
+      UNROLL for (int g = 0; g < HT; ++g) {{
         float part = 0.0f;
         UNROLL for (int e = 0; e < EPL; ++e) part += qv[g][e] * kf[e];
         UNROLL for (int o = LPK / 2; o > 0; o >>= 1) part += SHFL_XOR(part, o);
         s[j][g] = part;
       }}
     }}
-    UNROLL for (int g = 0; g < G; ++g) {{
+    UNROLL for (int g = 0; g < HT; ++g) {{
       float m_new = m[g];
       UNROLL for (int j = 0; j < U; ++j) {{
         if (kb + j * SLOTS + slot < k_end) m_new = MAXF(m_new, s[j][g]);
       }}
       const float alpha = EXP(m[g] - m_new);
       l[g] *= alpha;
-      UNROLL for (int e = 0; e < EPL; ++e) acc[g][e] *= alpha;
+      UNROLL for (int e = 0; e < EPV; ++e) acc[g][e] *= alpha;
       UNROLL for (int j = 0; j < U; ++j) {{
         const float p = kb + j * SLOTS + slot < k_end ? EXP(s[j][g] - m_new) : 0.0f;
         l[g] += p;
         UNROLL for (int c = 0; c < NV; ++c) {{
-          UNROLL for (int x = 0; x < VEC; ++x) acc[g][c * VEC + x] += p * static_cast<float>(vr[j][c].v[x]);
+          UNROLL for (int x = 0; x < VEC; ++x) {{
+            acc[g][c * VEC + x] += p * static_cast<float>(SHARED_V ? kr[j][c].v[x] : vr[j][c].v[x]);
+          }}
         }}
       }}
       m[g] = m_new;
@@ -245,7 +334,7 @@ _DECODE_BODY = """
 
   // Merge the KPW slots of each warp (butterfly over the lanes that differ in lane / LPK): every
   // lane ends with its warp's softmax state for its elements.
-  UNROLL for (int g = 0; g < G; ++g) {{
+  UNROLL for (int g = 0; g < HT; ++g) {{
     UNROLL for (int o = LPK; o < 32; o <<= 1) {{
       const float m_o = SHFL_XOR(m[g], o);
       const float l_o = SHFL_XOR(l[g], o);
@@ -253,7 +342,7 @@ _DECODE_BODY = """
       const float a = EXP(m[g] - m_new);
       const float b = EXP(m_o - m_new);
       l[g] = l[g] * a + l_o * b;
-      UNROLL for (int e = 0; e < EPL; ++e) {{
+      UNROLL for (int e = 0; e < EPV; ++e) {{
         const float acc_o = SHFL_XOR(acc[g][e], o);
         acc[g][e] = acc[g][e] * a + acc_o * b;
       }}
@@ -262,31 +351,31 @@ _DECODE_BODY = """
   }}
 
   // Merge the warps' online softmaxes, one head at a time (bounded shared memory).
-  SHARED float sm_ml[NSG * G * 2];
-  SHARED float sm_o[NSG * D];
+  SHARED float sm_ml[NSG * HT * 2];
+  SHARED float sm_o[NSG * DV];
   if (lane == 0) {{
-    UNROLL for (int g = 0; g < G; ++g) {{
-      sm_ml[(warp * G + g) * 2] = m[g];
-      sm_ml[(warp * G + g) * 2 + 1] = l[g];
+    UNROLL for (int g = 0; g < HT; ++g) {{
+      sm_ml[(warp * HT + g) * 2] = m[g];
+      sm_ml[(warp * HT + g) * 2 + 1] = l[g];
     }}
   }}
   BARRIER();
-  UNROLL for (int g = 0; g < G; ++g) {{
+  UNROLL for (int g = 0; g < HT; ++g) {{
     float M = NEG_BIG;
-    for (int w = 0; w < NSG; ++w) M = MAXF(M, sm_ml[(w * G + g) * 2]);
+    for (int w = 0; w < NSG; ++w) M = MAXF(M, sm_ml[(w * HT + g) * 2]);
     float L = 0.0f;
-    for (int w = 0; w < NSG; ++w) L += sm_ml[(w * G + g) * 2 + 1] * EXP(sm_ml[(w * G + g) * 2] - M);
+    for (int w = 0; w < NSG; ++w) L += sm_ml[(w * HT + g) * 2 + 1] * EXP(sm_ml[(w * HT + g) * 2] - M);
     const float f = EXP(m[g] - M);
     if (lane < LPK) {{
       UNROLL for (int c = 0; c < NV; ++c) {{
-        UNROLL for (int x = 0; x < VEC; ++x) sm_o[warp * D + (c * LPK + lane) * VEC + x] = acc[g][c * VEC + x] * f;
+        UNROLL for (int x = 0; x < VEC; ++x) sm_o[warp * DV + (c * LPK + lane) * VEC + x] = acc[g][c * VEC + x] * f;
       }}
     }}
     BARRIER();
-    const int h = kvh * G + g;
-    for (int d = tid; d < D; d += NSG * 32) {{
+    const int h = h0 + g;
+    for (int d = tid; d < DV; d += NSG * 32) {{
       float o = 0.0f;
-      for (int w = 0; w < NSG; ++w) o += sm_o[w * D + d];
+      for (int w = 0; w < NSG; ++w) o += sm_o[w * DV + d];
       {store}
     }}
     BARRIER();
@@ -298,8 +387,8 @@ _DECODE_BODY = """
 # the first slot of the first split takes it, since the merges add the slots' and splits' sums.
 _DECODE_SINKS = """
   if (slot == 0 && split == 0) {{
-    UNROLL for (int g = 0; g < G; ++g) {{
-      m[g] = static_cast<float>(sinks[kvh * G + g]);
+    UNROLL for (int g = 0; g < HT; ++g) {{
+      m[g] = static_cast<float>(sinks[h0 + g]);
       l[g] = 1.0f;
     }}
   }}
@@ -315,16 +404,16 @@ _PREFILL_SINKS = """
 """
 
 # Where a decode threadgroup's merged row goes: straight to the output, or to the split partials.
-_DECODE_STORE_FINAL = "out[((INDEX)q_row * H + h) * D + d] = static_cast<T>(o / L);"
+_DECODE_STORE_FINAL = "out[((INDEX)q_row * H + h) * DV + d] = static_cast<T>(o / L);"
 _DECODE_STORE_SPLIT = """const INDEX ph = ((INDEX)q_row * H + h) * num_splits + split;
-      part_o[ph * D + d] = o;
+      part_o[ph * DV + d] = o;
       if (d == 0) {{ part_ml[ph * 2] = M; part_ml[ph * 2 + 1] = L; }}"""
 
 # --- split-KV reduce ------------------------------------------------------------------------
 
 _REDUCE_BODY = """
-  // One thread per (query row, head, d); D threads per threadgroup.
-  const INDEX idx = (INDEX)tg_id * D + tid;
+  // One thread per (query row, head, d); DV threads per threadgroup.
+  const INDEX idx = (INDEX)tg_id * DV + tid;
   const INDEX rh = (INDEX)tg_id;
   float M = NEG_BIG;
   for (int s = 0; s < num_splits; ++s) M = MAXF(M, part_ml[(rh * num_splits + s) * 2]);
@@ -334,7 +423,7 @@ _REDUCE_BODY = """
     const INDEX ps = rh * num_splits + s;
     const float w = EXP(part_ml[ps * 2] - M);  // empty partitions have l == 0, o == 0
     L += part_ml[ps * 2 + 1] * w;
-    o += part_o[ps * D + tid] * w;
+    o += part_o[ps * DV + tid] * w;
   }}
   out[idx] = static_cast<T>(o / L);
 """
@@ -463,16 +552,27 @@ def prefill_tile_tokens(gqa: int) -> int:
 
 
 def kernel_source(kind: str, backend: str, head_dim: int, gqa: int, itemsize: int = 2,
-                  keys_per_step: int | None = None, sinks: bool = False) -> tuple[str, str]:
+                  keys_per_step: int | None = None, sinks: bool = False, v_dim: int | None = None,
+                  shared_v: bool = False) -> tuple[str, str]:
     """(header, body) of one kernel for one backend. `kind`: decode, decode_split, reduce, prefill.
     `itemsize` (bytes per q/K/V element) sets the decode kernel's load width; `sinks`: the kernel
-    takes a `sinks` input, one logit per query head."""
+    takes a `sinks` input, one logit per query head. `v_dim` (decode and reduce): V's head dim when
+    it differs from K's, which needs `shared_v`: V is the leading v_dim values of each K row, read
+    from `k_pool` (MLA's latent); the kernel then never reads `v_pool`."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}")
-    vec, lanes_per_key = decode_layout(head_dim, itemsize)
+    v_dim = head_dim if v_dim is None else v_dim
+    if kind == "prefill" and (v_dim != head_dim or shared_v):
+        raise ValueError("the prefill kernel needs V's head dim equal to K's, in its own pool")
+    plan = decode_plan(head_dim, gqa, itemsize, v_dim, shared_v, keys_per_step)
+    if plan is None and kind != "prefill":
+        raise ValueError(f"no decode layout for K/V head dims {head_dim}/{v_dim} (itemsize {itemsize})")
+    vec, lanes_per_key = decode_layout(head_dim, itemsize) if plan is None else (plan.vec, plan.lanes_per_key)
     fields = dict(
-        head_dim=head_dim, gqa=gqa, warps=WARPS, vec=vec, lanes_per_key=lanes_per_key,
-        keys_per_step=keys_per_step or keys_per_warp_step(gqa),
+        head_dim=head_dim, v_dim=v_dim, gqa=gqa, warps=WARPS, vec=vec, lanes_per_key=lanes_per_key,
+        tail_vec=plan.tail_vec if plan else 1, heads_per_group=plan.heads_per_group if plan else gqa,
+        keys_per_step=plan.keys_per_step if plan else keys_per_warp_step(gqa),
+        shared_v="true" if shared_v else "false",
         key_tile=PREFILL_KEY_TILE, tile_tokens=prefill_tile_tokens(gqa),
         p_num_reqs=P_NUM_REQS, p_max_blocks=P_MAX_BLOCKS, p_block_size=P_BLOCK_SIZE,
         p_window=P_WINDOW, p_partition=P_PARTITION, p_num_splits=P_NUM_SPLITS, p_bs_shift=P_BS_SHIFT,
@@ -502,15 +602,32 @@ _INPUTS["decode_split"] = _INPUTS["decode"]
 _OUTPUTS = {"decode": ["out"], "decode_split": ["part_o", "part_ml"], "reduce": ["out"], "prefill": ["out"]}
 
 
+def kernel_name(kind: str, head_dim: int, gqa: int, itemsize: int = 2, keys_per_step: int | None = None,
+                sinks: bool = False, v_dim: int | None = None, shared_v: bool = False) -> str:
+    """MLX caches compiled kernels by name: the name carries every compile-time choice (and is
+    what it always was for the shapes without a V dim of their own or head tiles)."""
+    v_dim = head_dim if v_dim is None else v_dim
+    plan = decode_plan(head_dim, gqa, itemsize, v_dim, shared_v, keys_per_step)
+    vec = decode_layout(head_dim, itemsize)[0] if plan is None else plan.vec
+    u = keys_per_step or (plan.keys_per_step if plan else keys_per_warp_step(gqa))
+    name = f"paged_attn_{kind}_d{head_dim}"
+    if v_dim != head_dim:
+        name += f"_dv{v_dim}"
+    name += f"_g{gqa}"
+    if plan is not None and plan.head_tiles > 1:
+        name += f"_t{plan.heads_per_group}"
+    name += f"_v{vec}_u{u}"
+    if plan is not None and plan.tail_vec > 1:
+        name += f"_tv{plan.tail_vec}"
+    return name + ("_kv" if shared_v else "") + ("_sinks" if sinks else "")
+
+
 @lru_cache(maxsize=None)
 def build_kernel(kind: str, backend: str, head_dim: int, gqa: int, itemsize: int = 2, keys_per_step: int | None = None,
-                 sinks: bool = False):
-    keys_per_step = keys_per_step or keys_per_warp_step(gqa)
+                 sinks: bool = False, v_dim: int | None = None, shared_v: bool = False):
     sinks = sinks and kind != "reduce"
-    header, source = kernel_source(kind, backend, head_dim, gqa, itemsize, keys_per_step, sinks)
-    # MLX caches compiled kernels by name: the name carries every compile-time choice.
-    vec, _ = decode_layout(head_dim, itemsize)
-    name = f"paged_attn_{kind}_d{head_dim}_g{gqa}_v{vec}_u{keys_per_step}" + ("_sinks" if sinks else "")
+    header, source = kernel_source(kind, backend, head_dim, gqa, itemsize, keys_per_step, sinks, v_dim, shared_v)
+    name = kernel_name(kind, head_dim, gqa, itemsize, keys_per_step, sinks, v_dim, shared_v)
     make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
     inputs = _INPUTS[kind] + (["sinks"] if sinks else [])
     return make(name=name, input_names=inputs, output_names=_OUTPUTS[kind], source=source, header=header)
@@ -597,27 +714,47 @@ def is_decode(q, meta: AttentionMetadata) -> bool:
     return q.shape[0] == len(meta.query_lens_host) and all(n == 1 for n in meta.query_lens_host)
 
 
-def supports(q, k_pool, meta: AttentionMetadata, v_pool=None, kernel_only: bool = False) -> bool:
+# The prefill kernel keeps a (token, head) row per warp slot: it takes GQA ratios up to this. Larger
+# ratios (MLA's 16-128 query heads over one latent) have only the decode kernel, which tiles them.
+PREFILL_MAX_GQA = 16
+
+
+def supports(q, k_pool, meta: AttentionMetadata, v_pool=None, kernel_only: bool = False, v_dim: int | None = None) -> bool:
     """Whether the kernels take this batch: shapes they handle and, unless `kernel_only`, batches
-    where they are the faster path; anything else goes to the reference."""
+    where they are the faster path; anything else goes to the reference. `v_dim`: V is the leading
+    v_dim values of each K row (MLA's latent; `v_pool` unused), which only the decode kernel reads."""
     head_dim, heads, kv_heads = q.shape[2], q.shape[1], k_pool.shape[2]
-    v_pool = k_pool if v_pool is None else v_pool
-    if not (head_dim % 32 == 0 and head_dim <= 256 and heads % kv_heads == 0 and heads // kv_heads <= 16
-            and v_pool.shape[-1] == head_dim  # MLA's latent V is narrower than its K: the reference
-            and q.dtype in (mx.float32, mx.bfloat16, mx.float16) and k_pool.dtype == v_pool.dtype == q.dtype):
+    if not (heads % kv_heads == 0 and k_pool.shape[-1] == head_dim
+            and q.dtype in (mx.float32, mx.bfloat16, mx.float16) and k_pool.dtype == q.dtype):
         return False
+    gqa = heads // kv_heads
+    if v_dim is not None:
+        return (is_decode(q, meta) and v_dim % 32 == 0 and v_dim <= 1024
+                and decode_plan(head_dim, gqa, q.dtype.size, v_dim, shared_v=True) is not None)
+    v_pool = k_pool if v_pool is None else v_pool
+    if not (head_dim % 32 == 0 and head_dim <= 256
+            and v_pool.shape[-1] == head_dim  # a narrower V of its own: the reference (MLA passes v_dim)
+            and v_pool.dtype == q.dtype):
+        return False
+    if gqa > PREFILL_MAX_GQA:
+        return is_decode(q, meta)
     return kernel_only or is_decode(q, meta) or PREFILL_KERNEL_ENABLED
 
 
 def paged_attention_kernel(q, k_pool, v_pool, meta: AttentionMetadata, scale: float, sliding_window=None,
-                           backend: str = "metal", sinks=None):
-    """The fast path behind `metal_cluster.kernels.paged_attention` (same contract)."""
+                           backend: str = "metal", sinks=None, v_dim: int | None = None):
+    """The fast path behind `metal_cluster.kernels.paged_attention` (same contract). `v_dim`: V is
+    the leading v_dim values of each K row, read in place from `k_pool` (decodes only)."""
     total_q, heads, head_dim = q.shape
     kv_heads = k_pool.shape[2]
     gqa = heads // kv_heads
     num_reqs = len(meta.seq_lens_host)
     window = sliding_window if sliding_window else 0
     extra = [] if sinks is None else [sinks.astype(mx.float32)]
+    if v_dim is not None:
+        if not is_decode(q, meta):
+            raise ValueError("V as a prefix of the K rows (v_dim) is for decode batches only")
+        return _decode(q, k_pool, k_pool, meta, scale, window, backend, num_reqs, kv_heads, gqa, extra, v_dim)
     if is_decode(q, meta):
         return _decode(q, k_pool, v_pool, meta, scale, window, backend, num_reqs, kv_heads, gqa, extra)
     step = _step_arrays(meta, scale, kv_heads, window, 0, 1)
@@ -634,34 +771,42 @@ def paged_attention_kernel(q, k_pool, v_pool, meta: AttentionMetadata, scale: fl
     )[0]
 
 
-def _decode(q, k_pool, v_pool, meta, scale, window, backend, num_reqs, kv_heads, gqa, extra):
+def _decode(q, k_pool, v_pool, meta, scale, window, backend, num_reqs, kv_heads, gqa, extra, v_dim=None):
     head_dim = q.shape[2]
+    shared_v = v_dim is not None
+    v_dim = head_dim if v_dim is None else v_dim
+    plan = decode_plan(head_dim, gqa, q.dtype.size, v_dim, shared_v)
+    tiles = plan.head_tiles
     # Partitions cover absolute positions; with a sliding window the early ones are simply empty.
     max_ctx = max(meta.seq_lens_host)
-    splits, partition = plan_decode_splits(num_reqs, kv_heads, max_ctx, TARGET_THREADGROUPS[backend])
+    splits, partition = plan_decode_splits(num_reqs, kv_heads * tiles, max_ctx, TARGET_THREADGROUPS[backend])
     step = _step_arrays(meta, scale, kv_heads, window, partition, splits)
     inputs = [q, k_pool, v_pool, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, step.params, step.scale, step.kvh,
               *extra]
-    groups = num_reqs * kv_heads * splits
-    layout = (head_dim, gqa, q.dtype.size, keys_per_warp_step(gqa), bool(extra))
+    groups = num_reqs * kv_heads * tiles * splits
+    layout = (head_dim, gqa, q.dtype.size, plan.keys_per_step, bool(extra))
+    shape = dict(v_dim=v_dim, shared_v=True) if shared_v else {}
+    out_shape = (q.shape[0], q.shape[1], v_dim)
     if splits == 1:
-        return build_kernel("decode", backend, *layout)(
+        return build_kernel("decode", backend, *layout, **shape)(
             inputs=inputs, template=[("T", q.dtype)], grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-            output_shapes=[q.shape], output_dtypes=[q.dtype],
+            output_shapes=[out_shape], output_dtypes=[q.dtype],
         )[0]
     rows = num_reqs * q.shape[1]
-    part_o, part_ml = build_kernel("decode_split", backend, *layout)(
+    part_o, part_ml = build_kernel("decode_split", backend, *layout, **shape)(
         inputs=inputs, template=[("T", q.dtype)], grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(rows * splits, head_dim), (rows * splits, 2)], output_dtypes=[mx.float32, mx.float32],
+        output_shapes=[(rows * splits, v_dim), (rows * splits, 2)], output_dtypes=[mx.float32, mx.float32],
     )
-    return build_kernel("reduce", backend, head_dim, gqa)(
+    reduce = build_kernel("reduce", backend, head_dim, gqa, **(dict(itemsize=q.dtype.size, **shape) if shared_v else {}))
+    return reduce(
         inputs=[part_o, part_ml, step.params, step.scale, step.kvh], template=[("T", q.dtype)],
-        grid=(rows * head_dim, 1, 1), threadgroup=(head_dim, 1, 1),
-        output_shapes=[q.shape], output_dtypes=[q.dtype],
+        grid=(rows * v_dim, 1, 1), threadgroup=(v_dim, 1, 1),
+        output_shapes=[out_shape], output_dtypes=[q.dtype],
     )[0]
 
 
 __all__ = [
-    "BACKENDS", "build_kernel", "kernel_source", "paged_attention_kernel", "plan_decode_splits",
+    "BACKENDS", "DecodePlan", "build_kernel", "decode_plan", "kernel_name", "kernel_source", "paged_attention_kernel",
+    "plan_decode_splits",
     "prefill_num_tiles", "prefill_tile_tokens", "supports", "tile_request", "is_decode", "PREFILL_KERNEL_ENABLED",
 ]

@@ -7,8 +7,9 @@ roped key part (qk_rope_head_dim wide), one "KV head". Per head h, the key is
 - absorbed (single queries): fold W_UK into the query, q' = [q_nope · W_UK ‖ q_pe], and the query
   heads attend to the entries themselves as MQA (K = the entry, V = its latent part); W_UV is applied
   to the [H, kv_lora_rank] result. This is ordinary paged attention with one KV head and K/V head
-  dims 576/512, so it goes through `kernels.paged_attention` (a GPU kernel for those shapes can
-  take it there);
+  dims 576/512, so it goes through `kernels.paged_attention` with V as the leading 512 values of
+  each entry (`v_dim`): on a GPU the decode kernel reads each entry once for both, tiling the query
+  heads over threadgroups;
 - expanded (prompt chunks): gather the request's latents, expand them to per-head K and V, and run
   causal attention, adding the rope part's scores as mlx-lm does.
 
@@ -41,7 +42,8 @@ def paged_mla_attention(q_nope, q_pe, pool, meta: AttentionMetadata, scale: floa
         latent_dim = pool.shape[-1] - q_pe.shape[-1]
         q_latent = _per_head(embed_q, q_nope[index])  # [R, H, kv_lora_rank]
         q_abs = mx.concatenate([q_latent, q_pe[index].astype(q_latent.dtype)], axis=-1)
-        out = paged_attention(q_abs, pool, pool[..., :latent_dim], sub, scale)  # [R, H, kv_lora_rank]
+        # V is each entry's latent part, read in place (a slice would be copied whole per layer).
+        out = paged_attention(q_abs, pool, None, sub, scale, v_dim=latent_dim)  # [R, H, kv_lora_rank]
         single_out = _per_head(unembed_out, out)
     return stitch(q_lens, singles, single_out, lambda r: _expanded_one(
         q_nope[starts[r] : starts[r + 1]], q_pe[starts[r] : starts[r + 1]], pool, meta, r, scale, embed_q, unembed_out))

@@ -6,6 +6,7 @@ Python parts (split planner, tile search, per-backend source generation, CPU dis
 
 import importlib
 import random
+import re
 import zlib
 
 import mlx.core as mx
@@ -81,6 +82,7 @@ CASES = [
     ("decode-split-gqa2-d128-bs16", [(1, 3000), (1, 17), (1, 4096)], 16, 8, 128, 16, mx.bfloat16, None),
     ("decode-split-gqa8-d64-bs16-window", [(1, 4000), (1, 600), (1, 1)], 16, 2, 64, 16, mx.bfloat16, 512),
     ("decode-window-mha-d64-bs32", [(1, c) for c in (5, 100, 2500)], 8, 8, 64, 32, mx.float32, 64),
+    ("decode-split-gqa32-tiled-d128-bs16", [(1, 3000), (1, 70), (1, 1)], 32, 1, 128, 16, mx.bfloat16, None),
     ("prefill-gqa2-d128-bs16", [(1000, 1000)], 16, 8, 128, 16, mx.bfloat16, None),
     ("prefill-chunk-mha-d128-bs16", [(512, 4096), (300, 300)], 4, 4, 128, 16, mx.float32, None),
     ("mixed-gqa4-d64-bs8", [(37, 300), (1, 4096), (1, 1), (128, 128), (5, 2000), (1, 33)], 8, 2, 64, 8, mx.float32, None),
@@ -118,7 +120,7 @@ def test_kernel_matches_reference(case):
 
 
 SINK_CASES = [c for c in CASES if c[0].startswith(("decode-split-gqa2", "decode-window", "prefill-gqa2", "mixed-gqa8",
-                                                  "mixed-gqa1", "decode-mha"))]
+                                                  "mixed-gqa1", "decode-mha", "decode-split-gqa32"))]
 
 
 @requires_gpu
@@ -229,6 +231,74 @@ def test_dispatch_splits_off_large_prefills():
     np.testing.assert_allclose(got, reference_f32(q, k_pool, v_pool, meta, 0.1, 200), **TOLERANCE[mx.bfloat16])
 
 
+# --- MLA's absorbed decode: one 576-wide "KV head" (latent 512 + rope 64), V its first 512 ----
+
+MLA_DIM, MLA_LATENT = 576, 512
+MLA_SCALE = 192 ** -0.5  # DeepSeek's softmax scale: (qk_nope 128 + rope 64) ** -0.5
+# (id, specs, heads, dtype): DeepSeek-V2-Lite's 16 heads and V3's 128, block size 16.
+MLA_CASES = [
+    ("h16-bf16", [(1, c) for c in (1, 15, 16, 17, 100, 255, 300, 2049, 4096)], 16, mx.bfloat16),
+    ("h128-bf16", [(1, c) for c in (1, 17, 250, 1000, 3001)], 128, mx.bfloat16),
+    ("h16-f32", [(1, c) for c in (2, 33, 700, 1500)], 16, mx.float32),
+]
+
+
+def mla_kernel(q, pool, meta, scale=MLA_SCALE):
+    assert pa.supports(q, pool, meta, None, kernel_only=True, v_dim=MLA_LATENT)
+    return pa.paged_attention_kernel(q, pool, None, meta, scale, None, backend=BACKEND, v_dim=MLA_LATENT)
+
+
+def mla_plan_splits(meta, heads, dtype):
+    tiles = pa.decode_plan(MLA_DIM, heads, dtype.size, MLA_LATENT, shared_v=True).head_tiles
+    return pa.plan_decode_splits(len(meta.seq_lens_host), tiles, max(meta.seq_lens_host),
+                                 pa.TARGET_THREADGROUPS[BACKEND])[0]
+
+
+@requires_gpu
+@pytest.mark.parametrize("split", [True, False], ids=["split", "whole"])
+@pytest.mark.parametrize("case", MLA_CASES, ids=[c[0] for c in MLA_CASES])
+def test_mla_decode_kernel_matches_reference(case, split, monkeypatch):
+    """Mixed context lengths (inside a block, at block edges, across partitions), the KV split
+    across threadgroups or not (no split: every request's context in one threadgroup per head tile)."""
+    name, specs, heads, dtype = case
+    if not split:
+        monkeypatch.setitem(pa.TARGET_THREADGROUPS, BACKEND, 1)
+    q, pool, _, meta = make_batch(zlib.crc32(name.encode()), specs, heads, 1, MLA_DIM, 16, dtype)
+    assert (mla_plan_splits(meta, heads, dtype) > 1) == split
+    out = mla_kernel(q, pool, meta)
+    assert out.shape == (len(specs), heads, MLA_LATENT) and out.dtype == dtype
+    got = np.array(out.astype(mx.float32))
+    want = reference_f32(q, pool, pool[..., :MLA_LATENT], meta, MLA_SCALE, None)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, **TOLERANCE[dtype])
+
+
+@requires_gpu
+def test_mla_decode_batch_of_many():
+    """Enough requests that the V3 shape needs no split (request x head tile fills the GPU)."""
+    rng = random.Random(11)
+    specs = [(1, rng.randint(1, 600)) for _ in range(80)]
+    q, pool, _, meta = make_batch(11, specs, 128, 1, MLA_DIM, 16, mx.bfloat16)
+    assert mla_plan_splits(meta, 128, mx.bfloat16) == 1
+    got = np.array(mla_kernel(q, pool, meta).astype(mx.float32))
+    np.testing.assert_allclose(got, reference_f32(q, pool, pool[..., :MLA_LATENT], meta, MLA_SCALE, None),
+                               **TOLERANCE[mx.bfloat16])
+
+
+@requires_gpu
+def test_mla_dispatch_reads_v_in_place():
+    """Through `paged_attention`: decodes take the kernel; a batch with a prompt chunk the reference."""
+    q, pool, _, meta = make_batch(12, [(1, 40), (1, 900)], 16, 1, MLA_DIM, 16, mx.bfloat16)
+    got = paged_attention(q, pool, None, meta, MLA_SCALE, v_dim=MLA_LATENT)
+    want = reference_f32(q, pool, pool[..., :MLA_LATENT], meta, MLA_SCALE, None)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, **TOLERANCE[mx.bfloat16])
+    q, pool, _, mixed = make_batch(13, [(1, 40), (6, 90)], 16, 1, MLA_DIM, 16, mx.bfloat16)
+    assert not pa.supports(q, pool, mixed, None, kernel_only=True, v_dim=MLA_LATENT)
+    got = paged_attention(q, pool, None, mixed, MLA_SCALE, v_dim=MLA_LATENT)
+    want = reference_f32(q, pool, pool[..., :MLA_LATENT], mixed, MLA_SCALE, None)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, **TOLERANCE[mx.bfloat16])
+
+
 # --- pure Python: runs everywhere ---------------------------------------------------------
 
 def test_batch_split_puts_rows_back_in_order():
@@ -269,8 +339,6 @@ def test_decode_layout():
 def test_collectives_are_never_macro_arguments():
     """A ternary macro evaluates an argument twice, once on only some lanes: a shuffle passed to one
     becomes a divergent collective (this hung the prefill kernel on CUDA)."""
-    import re
-
     for kind in ("decode", "decode_split", "reduce", "prefill"):
         for backend in pa.BACKENDS:
             _, body = pa.kernel_source(kind, backend, 128, 2)
@@ -333,3 +401,138 @@ def test_cpu_dispatch_is_the_reference():
     out = paged_attention(q, k_pool, v_pool, meta, 0.125, None)
     ref = paged_attention_reference(q, k_pool, v_pool, meta, 0.125, None)
     assert mx.array_equal(out, ref)
+
+
+# --- MLA and head tiles without a GPU: the plan, the dispatch, the generated CUDA (nvcc, emulated)
+
+def test_decode_plan_for_mla_and_existing_shapes():
+    for heads, tiles in ((16, 4), (128, 32)):  # DeepSeek-V2-Lite, V3: 4 heads a threadgroup
+        plan = pa.decode_plan(MLA_DIM, heads, 2, MLA_LATENT, shared_v=True)
+        assert (plan.vec, plan.lanes_per_key, plan.tail_vec) == (8, 32, 2)  # 16-byte latent loads, 4-byte rope
+        assert plan.heads_per_group * tiles == heads and plan.head_tiles == tiles
+    assert pa.decode_plan(MLA_DIM, 16, 2, MLA_LATENT) is None  # a narrower V of its own: not the kernel's
+    # Every shape the kernels took before keeps one threadgroup per kv head, its keys per step and its name.
+    for head_dim in (64, 96, 128, 256):
+        for gqa in range(1, 17):
+            for itemsize in (2, 4):
+                plan = pa.decode_plan(head_dim, gqa, itemsize)
+                assert plan.heads_per_group == gqa and plan.keys_per_step == pa.keys_per_warp_step(gqa)
+                assert (plan.vec, plan.lanes_per_key, plan.tail_vec) == (*pa.decode_layout(head_dim, itemsize), 1)
+    assert pa.kernel_name("decode", 128, 2) == "paged_attn_decode_d128_g2_v8_u4"
+    assert pa.kernel_name("decode_split", 64, 8, 4, sinks=True) == "paged_attn_decode_split_d64_g8_v4_u2_sinks"
+    assert pa.decode_plan(128, 32, 2).heads_per_group == 8  # past GQA 16 the heads are tiled
+
+
+def test_supports_mla_decodes_only():
+    q, pool, _, meta = make_batch(1, [(1, 5), (1, 40)], 16, 1, MLA_DIM, 16, mx.bfloat16)
+    assert pa.supports(q, pool, meta, None, v_dim=MLA_LATENT)
+    assert not pa.supports(q, pool, meta, pool[..., :MLA_LATENT])  # as a V pool of its own: no
+    assert not pa.supports(q, pool, meta, None, v_dim=500)
+    q, pool, _, mixed = make_batch(2, [(1, 5), (3, 40)], 16, 1, MLA_DIM, 16, mx.bfloat16)
+    assert not pa.supports(q, pool, mixed, None, kernel_only=True, v_dim=MLA_LATENT)  # prompt chunks: mla.py expands
+    q, k_pool, v_pool, meta = make_batch(3, [(1, 5), (1, 40)], 32, 1, 128, 16, mx.bfloat16)
+    assert pa.supports(q, k_pool, meta, v_pool)  # GQA 32: the decode kernel tiles it ...
+    q, k_pool, v_pool, mixed = make_batch(3, [(1, 5), (3, 40)], 32, 1, 128, 16, mx.bfloat16)
+    assert not pa.supports(q, k_pool, mixed, v_pool, kernel_only=True)  # ... the prefill kernel does not take it
+
+
+def test_cpu_dispatch_reads_v_as_the_k_prefix():
+    if BACKEND is not None:
+        pytest.skip("a GPU backend is active: the kernels are tested above")
+    q, pool, _, meta = make_batch(4, [(3, 20), (1, 9)], 4, 1, 40, 8, mx.float32)
+    out = paged_attention(q, pool, None, meta, 0.125, v_dim=32)
+    assert out.shape == (4, 4, 32)
+    assert mx.array_equal(out, paged_attention_reference(q, pool, pool[..., :32], meta, 0.125, None))
+    with pytest.raises(ValueError, match="v_dim"):
+        paged_attention(q, pool, None, meta, 0.125)
+    with pytest.raises(ValueError, match="v_pool=None"):
+        paged_attention(q, pool, pool, meta, 0.125, v_dim=32)
+
+
+@pytest.mark.parametrize("shape", [(128, 2, None, False), (MLA_DIM, 16, MLA_LATENT, True), (MLA_DIM, 128, MLA_LATENT, True)],
+                         ids=["d128-g2", "mla-h16", "mla-h128"])
+def test_mla_body_two_backends(shape):
+    head_dim, gqa, v_dim, shared_v = shape
+    for kind in ("decode", "decode_split", "reduce"):
+        metal = pa.kernel_source(kind, "metal", head_dim, gqa, 2, v_dim=v_dim, shared_v=shared_v)[1]
+        cuda = pa.kernel_source(kind, "cuda", head_dim, gqa, 2, v_dim=v_dim, shared_v=shared_v)[1]
+        assert metal.replace(pa._PROLOGUE["metal"], "") == cuda.replace(pa._PROLOGUE["cuda"], "")
+        assert "{" in metal and "{{" not in metal
+        for macro in ("MINI", "MAXI"):
+            for args in re.findall(macro + r"\(([^;]*)", cuda):
+                assert "SHFL" not in args and "WARP_SUM" not in args, (kind, args)
+
+
+standin = importlib.import_module("kernel_standin")
+requires_nvcc = pytest.mark.skipif(standin.NVCC is None, reason="no nvcc on this machine")
+requires_gxx = pytest.mark.skipif(standin.GXX is None, reason="the CUDA emulation needs g++ on Linux")
+
+
+def _unit(kind, dtype, head_dim, gqa, v_dim=None, shared_v=False, sinks=False):
+    """One kernel as MLX's cuda_kernel would hand it to NVRTC."""
+    header, source = pa.kernel_source(kind, "cuda", head_dim, gqa, dtype.size, sinks=sinks, v_dim=v_dim, shared_v=shared_v)
+    ints = [(n, mx.int32) for n in ("cu_seqlens_q", "seq_lens", "block_tables", "params")]
+    inputs = ([("part_o", mx.float32), ("part_ml", mx.float32), ("params", mx.int32)] if kind == "reduce" else
+              [("q", dtype), ("k_pool", dtype), ("v_pool", dtype), *ints]) + [("scale", mx.float32), ("k_pool_kvh", mx.int32)]
+    inputs += [("sinks", mx.float32)] if sinks and kind != "reduce" else []
+    outputs = [("part_o", mx.float32), ("part_ml", mx.float32)] if kind == "decode_split" else [("out", dtype)]
+    return standin.cuda_translation_unit("k", header, source, inputs, outputs, [("T", dtype)], standin.NVCC_DEVICE_HEADER)
+
+
+@requires_nvcc
+@pytest.mark.parametrize("kind", ["decode", "decode_split", "reduce"])
+def test_mla_cuda_source_compiles_without_spills(kind):
+    """The MLA kernels as NVRTC would get them, compiled by nvcc for an H200 (sm_90): they build,
+    and the head tile's registers (4 heads x (18 + 16) floats a lane) fit without spilling."""
+    for dtype, heads in ((mx.bfloat16, 128), (mx.float32, 16)):
+        used = standin.nvcc_resources(_unit(kind, dtype, MLA_DIM, heads, MLA_LATENT, shared_v=True))
+        assert used["spill_stores"] == 0 and used["spill_loads"] == 0, used["log"]
+
+
+@requires_nvcc
+def test_existing_cuda_sources_compile():
+    for kind in ("decode", "decode_split", "prefill"):
+        standin.nvcc_resources(_unit(kind, mx.bfloat16, 128, 2, sinks=True))
+
+
+@pytest.fixture
+def emulated_cuda(monkeypatch):
+    """`mx.fast.cuda_kernel` replaced by the CPU emulation of tests/kernel_standin.py: the CUDA
+    path of `paged_attention_kernel` (plan, launches, generated source) runs here without a GPU."""
+    emulator = standin.EmulatedCudaKernels()
+    monkeypatch.setattr(mx.fast, "cuda_kernel", emulator)
+    pa.build_kernel.cache_clear()
+    yield emulator
+    pa.build_kernel.cache_clear()  # no emulated kernel stays behind for a real GPU run
+
+
+# (id, specs, heads, kv_heads, head_dim, v_dim, dtype, window, sinks): small contexts (the emulation
+# runs 128 threads a group on one core), split (> MIN_PARTITION) and whole.
+EMULATED = [
+    ("mla-h16-tiled-bf16-split", [(1, 1), (1, 17), (1, 300)], 16, 1, MLA_DIM, MLA_LATENT, mx.bfloat16, None, False),
+    ("mla-h128-tiled-bf16", [(1, 37), (1, 16)], 128, 1, MLA_DIM, MLA_LATENT, mx.bfloat16, None, False),
+    ("tiny-mla-f32", [(1, 30), (1, 3)], 4, 1, 40, 32, mx.float32, None, False),
+    ("gqa2-d128-bf16-split-window-sinks", [(1, 300), (1, 17), (1, 1)], 4, 2, 128, None, mx.bfloat16, 100, True),
+    ("gqa32-tiled-d128-bf16-split-sinks", [(1, 290), (1, 9)], 32, 1, 128, None, mx.bfloat16, None, True),
+]
+
+
+@requires_gxx
+@pytest.mark.parametrize("case", EMULATED, ids=[c[0] for c in EMULATED])
+def test_emulated_cuda_decode_matches_reference(case, emulated_cuda):
+    name, specs, heads, kv_heads, head_dim, v_dim, dtype, window, with_sinks = case
+    q, k_pool, v_pool, meta = make_batch(zlib.crc32(name.encode()), specs, heads, kv_heads, head_dim, 16, dtype)
+    sinks = random_sinks(heads, 5) if with_sinks else None
+    scale = head_dim ** -0.5
+    if v_dim is None:
+        got = pa.paged_attention_kernel(q, k_pool, v_pool, meta, scale, window, backend="cuda", sinks=sinks)
+    else:
+        v_pool = k_pool[..., :v_dim]
+        got = pa.paged_attention_kernel(q, k_pool, None, meta, scale, window, backend="cuda", sinks=sinks, v_dim=v_dim)
+    plan = pa.decode_plan(head_dim, heads // kv_heads, dtype.size, v_dim, v_dim is not None)
+    assert (plan.head_tiles > 1) == ("tiled" in name or heads // kv_heads > 16)
+    kinds = [re.match(r"paged_attn_([a-z_]+?)_d\d", launch[0]).group(1) for launch in emulated_cuda.launches]
+    assert kinds == (["decode_split", "reduce"] if "split" in name else ["decode"])
+    assert got.shape == (len(specs), heads, v_dim or head_dim)
+    want = reference_f32(q, k_pool, v_pool, meta, scale, window, sinks)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, err_msg=name, **TOLERANCE[dtype])

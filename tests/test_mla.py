@@ -8,14 +8,17 @@ import shutil
 from itertools import accumulate
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx.utils import tree_map
 from mlx_lm.utils import load
 
+import kernel_standin
 import tiny_models
 from references import mlx_lm_greedy
 from server_process import running_server
 
+from metal_cluster.kernels import gpu_backend
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.families import LayerCache, family_of
 from metal_cluster.stage_worker.model.model_source import resolve_model
@@ -212,3 +215,98 @@ def test_paged_latent_attention_equals_mlx_lm_module(q_lora_rank, batched_decode
         tol = 1e-5 if mx.default_device().type == mx.DeviceType.cpu else 2e-4
         for o, e in zip(ours, expected):
             assert mx.allclose(o, e, atol=tol, rtol=tol).item(), (r, mx.abs(o - e).max().item())
+
+
+# --- the absorbed decode through the GPU kernel ------------------------------------------------
+
+def _latent_batch(heads, specs, seed, dtype=mx.bfloat16, block_size=16):
+    """DeepSeek's attention shapes (latent 512, rope 64, nope 128, v_head 128), a random pool in
+    shuffled blocks holding every request's context, and the layer's per-head maps."""
+    import random
+
+    from mlx_lm.models.mla import MultiLinear
+
+    from metal_cluster.kernels.metadata import AttentionMetadata
+
+    rng = random.Random(seed)
+    need = [-(-ctx // block_size) for _, ctx in specs]
+    ids = list(range(1, 1 + sum(need)))
+    rng.shuffle(ids)
+    tables = [ids[sum(need[:r]) : sum(need[: r + 1])] for r in range(len(specs))]
+    width = max(need)
+    meta = AttentionMetadata(
+        cu_seqlens_q=mx.array([0] + list(accumulate(n for n, _ in specs)), dtype=mx.int32),
+        seq_lens=mx.array([c for _, c in specs], dtype=mx.int32),
+        block_tables=mx.array([t + [0] * (width - len(t)) for t in tables], dtype=mx.int32),
+        block_size=block_size, query_lens_host=[n for n, _ in specs], seq_lens_host=[c for _, c in specs])
+    mx.random.seed(seed)
+    tokens = sum(n for n, _ in specs)
+    pool = mx.random.normal((1 + sum(need), block_size, 1, 512 + 64)).astype(dtype)
+    q_nope = mx.random.normal((tokens, heads, 128)).astype(dtype)
+    q_pe = mx.random.normal((tokens, heads, 64)).astype(dtype)
+    embed_q, unembed_out = MultiLinear(128, 512, heads), MultiLinear(512, 128, heads)
+    embed_q.set_dtype(dtype)
+    unembed_out.set_dtype(dtype)
+    mx.eval(pool, q_nope, q_pe, embed_q.parameters(), unembed_out.parameters())
+    return q_nope, q_pe, pool, meta, embed_q, unembed_out
+
+
+def _kernel_against_reference(heads, specs, monkeypatch, backend=None):
+    """paged_mla_attention with the decode kernel (counted) and with the reference (the CPU path,
+    float32 from the same inputs). Returns (kernel calls, kernel output, reference output)."""
+    from metal_cluster import kernels
+    from metal_cluster.kernels import gpu as fast
+    from metal_cluster.kernels.mla import paged_mla_attention
+
+    q_nope, q_pe, pool, meta, embed_q, unembed_out = _latent_batch(heads, specs, seed=heads + len(specs))
+    scale = 192 ** -0.5
+    calls, kernel = [], fast.paged_attention_kernel
+
+    def counted(q, *args, **kwargs):
+        calls.append((q.shape[0], kwargs.get("v_dim")))
+        return kernel(q, *args, **kwargs)
+
+    monkeypatch.setattr(fast, "paged_attention_kernel", counted)
+    if backend is not None:
+        monkeypatch.setattr(kernels, "gpu_backend", lambda: backend)
+    got = paged_mla_attention(q_nope, q_pe, pool, meta, scale, embed_q, unembed_out)
+    mx.eval(got)
+    monkeypatch.setattr(kernels, "gpu_backend", lambda: None)
+    embed_q.set_dtype(mx.float32)
+    unembed_out.set_dtype(mx.float32)
+    f32 = [a.astype(mx.float32) for a in (q_nope, q_pe, pool)]
+    want = paged_mla_attention(*f32, meta, scale, embed_q, unembed_out)
+    return calls, np.array(got.astype(mx.float32)), np.array(want)
+
+
+requires_gpu = pytest.mark.skipif(gpu_backend() is None, reason="no Metal or CUDA GPU: MLX runs on its CPU backend here")
+
+
+@requires_gpu
+@pytest.mark.parametrize("heads", [16, 128], ids=["v2-lite-16-heads", "v3-128-heads"])
+def test_latent_decodes_take_the_kernel(heads, monkeypatch):
+    """A packed bf16 batch of decodes at mixed contexts beside a prompt chunk: the decodes go through
+    the decode kernel once (V read in the pool's rows), the chunk through the expanded form, and the
+    whole equals the float32 reference path."""
+    specs = [(1, 1), (1, 40), (5, 60), (1, 700), (1, 2500)]
+    calls, got, want = _kernel_against_reference(heads, specs, monkeypatch)
+    assert calls == [(4, 512)]
+    assert np.abs(want).mean() > 0.1  # outputs of real size, not a pass by vanishing values
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(kernel_standin.GXX is None, reason="the CUDA emulation needs g++ on Linux")
+def test_latent_decodes_take_the_emulated_cuda_kernel(monkeypatch):
+    """The same path on the CPU: MLX's CUDA backend stood in for by tests/kernel_standin.py's
+    emulation, so the kernel's generated source really runs (small contexts: it is slow)."""
+    from metal_cluster.kernels import gpu as fast
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", kernel_standin.EmulatedCudaKernels())
+    fast.build_kernel.cache_clear()
+    try:
+        calls, got, want = _kernel_against_reference(16, [(1, 1), (3, 20), (1, 33), (1, 290)], monkeypatch, "cuda")
+    finally:
+        fast.build_kernel.cache_clear()
+    assert calls == [(3, 512)]
+    assert np.abs(want).mean() > 0.1  # outputs of real size, not a pass by vanishing values
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)

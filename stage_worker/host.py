@@ -17,6 +17,7 @@ import psutil
 from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.stage_worker.kv import memory
 from metal_cluster.stage_worker.step.draft import DraftModel
+from metal_cluster.stage_worker.step.mtp import MTPDrafter
 from metal_cluster.stage_worker.model.dtypes import dtype_name, from_name
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.net.auth import resolve_token
@@ -56,7 +57,8 @@ class StageHost:
         self.state = "idle"
         self.phase = ""  # what assign/start is doing now, for progress (Health)
         self.shard = None
-        self.draft: DraftModel | None = None  # speculative decoding's draft model (last stage only)
+        # Speculative decoding's draft model or MTP layers (last stage only).
+        self.draft: DraftModel | MTPDrafter | None = None
         self.runner: StageRunner | None = None
         self.ring: Ring | None = None
         self.block_size = 0
@@ -90,9 +92,9 @@ class StageHost:
                 self.shard = self._load(req)
                 self.block_size = req.block_size
                 weights = sum(v.nbytes for v in _params(self.shard.model))
-                if req.spec_draft_model and self.shard.is_last:
-                    self.phase = "loading the draft model"
-                    self.draft = self._load_draft(req)
+                if (req.spec_draft_model or req.spec_mtp) and self.shard.is_last:
+                    self.phase = "loading the MTP layers" if req.spec_mtp else "loading the draft model"
+                    self.draft = self._load_mtp(req) if req.spec_mtp else self._load_draft(req)
                     weights += self.draft.weights_bytes
                 loaded = time.perf_counter()
                 if req.activation_bytes_known > 0:  # a re-plan: this worker measured it for the last plan
@@ -136,6 +138,14 @@ class StageHost:
             # Weights travel with the plan for the target only (model_store.py): not for a draft yet.
             raise ModelLoadError(f"{e}; this worker fetches its layers from the coordinator, but a draft model "
                                  f"does not travel: put it at {req.spec_draft_model} on this host too") from None
+
+    def _load_mtp(self, req: pb.AssignRequest) -> MTPDrafter:
+        if req.model_store:
+            # The model store sends a stage the tensors of its layers (manifest.stage_keeps): MTP
+            # layers come after the last one, so they do not travel yet.
+            raise ModelLoadError("this worker fetches its layers from the coordinator, and MTP layers do not travel "
+                                 "yet: serve MTP with the last stage on the coordinator's host, or use \"ngram\"")
+        return MTPDrafter.load(resolve_model(req.model or None), self.shard, req.spec_num_draft_tokens)
 
     def weights_room(self, req: pb.WeightsRoomRequest) -> pb.WeightsRoomResponse:
         check_version(req.version)

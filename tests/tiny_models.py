@@ -139,6 +139,28 @@ _QWEN3_NEXT_OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernor
                             ".q_norm.weight", ".k_norm.weight")
 
 
+def _mtp_weights(arch, config: dict, weights: dict, seed: int, n: int) -> dict:
+    """DeepSeek V3's MTP layers as its checkpoint names them, `model.layers.{N + i}.*` after the N
+    decoder layers: enorm and hnorm (of the next token's embedding and of the target's hidden
+    state), eh_proj [hidden, 2 * hidden] mixing the two, one decoder layer (MoE, as past
+    first_k_dense_replace), and shared_head (norm, head) with a copy of the embedding, as V3 has."""
+    args = arch.ModelArgs.from_dict(config)
+    first, hidden = config["num_hidden_layers"], config["hidden_size"]
+    out = {}
+    for i in range(first, first + n):
+        prefix = f"model.layers.{i}."
+        block = _init_weights(arch.DeepseekV3DecoderLayer(args, i), seed + 1000 + i)
+        out.update({prefix + name: w for name, w in block.items()})
+        rng = np.random.default_rng([seed, i, 7])
+        out[prefix + "eh_proj.weight"] = mx.array(
+            (LINEAR_GAIN / np.sqrt(2 * hidden)) * rng.standard_normal((hidden, 2 * hidden), np.float32))
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            out[prefix + norm + ".weight"] = mx.ones((hidden,))
+        out[prefix + "embed_tokens.weight"] = weights["model.embed_tokens.weight"]
+        out[prefix + "shared_head.head.weight"] = weights["lm_head.weight"]
+    return out
+
+
 def _hf_expert_names(family: str, weights: dict) -> dict:
     """mlx-lm stacks experts ([E, out, in]); a Hugging Face checkpoint stores one tensor per expert.
     The tiny MoE folders use the Hugging Face layout, so loading goes through mlx-lm's sanitize."""
@@ -415,11 +437,14 @@ def build_tiny_model(family: str, out_dir: Path, *, num_layers: int = 4, hidden_
                      intermediate_size: int = 128, num_heads: int = 4, num_kv_heads: int = 2,
                      head_dim: int | None = None, tie_word_embeddings: bool | None = None,
                      sliding_window: int | None = None, seed: int = 0, dtype: str = "float32",
-                     config_overrides: dict | None = None) -> Path:
+                     config_overrides: dict | None = None, mtp_layers: int = 0) -> Path:
     """Write a tiny random model of `family` into `out_dir` (created) and return it.
 
     `dtype` is the checkpoint's dtype name (a key of DTYPES): the float32 draws rounded to it.
     `config_overrides` replace config.json keys (e.g. which layers are dense).
+    `mtp_layers` (deepseek_v3): multi-token-prediction layers after the decoder layers, as DeepSeek V3
+    ships them (`num_nextn_predict_layers`; `_mtp_weights`). The target's weights are the same as
+    without them.
     """
     if family not in FAMILIES + MORE_FAMILIES + HYBRID_FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + MORE_FAMILIES + HYBRID_FAMILIES}")
@@ -446,6 +471,10 @@ def build_tiny_model(family: str, out_dir: Path, *, num_layers: int = 4, hidden_
         vocab_size=tok.get_vocab_size(with_added_tokens=True), bos_id=bos_id, eos_id=eos_id, dtype=dtype,
     )
     config.update(config_overrides or {})
+    if mtp_layers:
+        if family != "deepseek_v3":
+            raise ValueError("mtp_layers: only deepseek_v3 fixtures carry multi-token-prediction layers")
+        config["num_nextn_predict_layers"] = mtp_layers
     if family in NESTED_FAMILIES:
         config = _nest_text_config(family, config)
 
@@ -455,6 +484,8 @@ def build_tiny_model(family: str, out_dir: Path, *, num_layers: int = 4, hidden_
     arch = importlib.import_module(f"mlx_lm.models.{family}")
     model = arch.Model(arch.ModelArgs.from_dict(config))
     weights = _init_weights(model, seed, gain_of_one=0.0 if family == "gemma3_text" else 1.0)
+    if mtp_layers:
+        weights.update(_mtp_weights(arch, config, weights, seed, mtp_layers))
     weights = {name: w.astype(DTYPES[dtype]) for name, w in _hf_expert_names(family, weights).items()}
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
 

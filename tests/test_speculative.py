@@ -221,3 +221,71 @@ def test_a_gguf_draft_reaches_vllm_as_its_folder(llama_model):
     folder = json.loads(speculation.with_draft_folder(args)[-1])["model"]
     assert resolve_model(folder).gguf == gguf.resolve()
     assert "a draft must use the target's tokenizer" in speculation.problem(args, llama_model)
+
+
+def test_mtp_drafts_are_the_mtp_layers_over_the_whole_history(mtp_model):
+    """The last stage's MTP drafter keeps its own paged KV and catches up step by step; its drafts
+    must be those of the checkpoint's MTP layer run over the whole history at once (vLLM's rule,
+    references.mtp_greedy_drafts): after a prompt in two chunks (the first drafts nothing), after a
+    verification that accepted every draft (k + 1 positions caught up), and after one that accepted
+    none (the rejected positions' KV rewritten)."""
+    from references import mtp_greedy_drafts, mtp_reference
+
+    from metal_cluster.proto import PROTO_VERSION
+    from metal_cluster.stage_worker.kv.paged_kv import KVPool
+    from metal_cluster.stage_worker.model.model_source import resolve_model
+    from metal_cluster.stage_worker.model.shard import load_shard
+    from metal_cluster.stage_worker.step.mtp import MTPDrafter
+    from metal_cluster.stage_worker.step.runner import StageRunner
+
+    k = 3
+    source = resolve_model(mtp_model)
+    shard = load_shard(source)
+    runner = StageRunner(shard, KVPool.allocate(shard.caches, 8, 16, shard.dtype),
+                         MTPDrafter.load(source, shard, k).allocate(8, 16))
+    model, layer = mtp_reference(mtp_model)
+    prompts = {"a": [5, 17, 300, 42, 9, 77, 101, 230, 11, 64, 3], "b": [400, 12, 88, 150, 7]}
+    history = {r: list(p) for r, p in prompts.items()}
+    steps = iter(range(10))
+
+    def run(scheduled: dict, new: dict, drafts: dict) -> dict:
+        step = pb.StepRequest(version=PROTO_VERSION, step_id=next(steps))
+        for r, n in scheduled.items():
+            if r in new:
+                step.new_requests.add(req_id=r, prompt_token_ids=prompts[r], block_ids=new[r],
+                                      sampling=pb.SamplingParams(temperature=0))
+            else:
+                state = runner.table[r]
+                step.cached_requests.add(req_id=r, num_computed_tokens=computed[r],
+                                         new_token_ids=history[r][len(state.token_ids):])
+            step.scheduled.add(req_id=r, num_tokens=n, draft_token_ids=drafts.get(r, []))
+        out = runner.step(step)
+        for r in scheduled:
+            computed[r] += scheduled[r] - len(drafts.get(r, []))
+            if r in out.sampled:
+                gained = [s.token_id for s in out.accepted.get(r, [])] + [out.sampled[r].token_id]
+                computed[r] += len(gained) - 1
+                history[r] += gained
+        return {d.req_id: list(d.token_ids) for d in out.spec_drafts}
+
+    computed = {"a": 0, "b": 0}
+    got = run({"a": 6, "b": 5}, {"a": [1, 2], "b": [3, 4]}, {})
+    assert list(got) == ["b"] and got["b"] == mtp_greedy_drafts(model, layer, history["b"], k)
+    computed["a"] = 6
+    greedy = mlx_lm_greedy_after(model, history["b"], k)  # the target's own next tokens: all accepted
+    got = run({"a": 5, "b": 1 + k}, {}, {"b": greedy})
+    assert history["b"][-k - 1:-1] == greedy
+    for r in ("a", "b"):
+        assert got[r] == mtp_greedy_drafts(model, layer, history[r], k), r
+    wrong = [t for t in range(k + 5) if t != mlx_lm_greedy_after(model, history["a"], 1)[0]][:k]
+    before = len(history["a"])
+    got = run({"a": 1 + k, "b": 1 + k}, {}, {"a": wrong, "b": got["b"]})
+    assert len(history["a"]) == before + 1  # none accepted
+    for r in ("a", "b"):
+        assert got[r] == mtp_greedy_drafts(model, layer, history[r], k), r
+
+
+def mlx_lm_greedy_after(model, history: list[int], n: int) -> list[int]:
+    from references import mlx_lm_greedy
+
+    return mlx_lm_greedy(model, history, n)

@@ -146,7 +146,10 @@ def _mtp_weights(arch, config: dict, weights: dict, seed: int, n: int) -> dict:
     first_k_dense_replace), and shared_head (norm, head) with a copy of the embedding, as V3 has."""
     args = arch.ModelArgs.from_dict(config)
     first, hidden = config["num_hidden_layers"], config["hidden_size"]
-    out = {}
+    # Norm gains away from one, the target's final norm's too: an MTP layer reads the target's
+    # hidden state after that norm, and with gains of one a norm of a norm is the norm alone.
+    gains = np.random.default_rng([seed, 8])
+    out = {"model.norm.weight": mx.array(gains.uniform(0.5, 1.5, hidden).astype(np.float32))}
     for i in range(first, first + n):
         prefix = f"model.layers.{i}."
         block = _init_weights(arch.DeepseekV3DecoderLayer(args, i), seed + 1000 + i)
@@ -155,7 +158,7 @@ def _mtp_weights(arch, config: dict, weights: dict, seed: int, n: int) -> dict:
         out[prefix + "eh_proj.weight"] = mx.array(
             (LINEAR_GAIN / np.sqrt(2 * hidden)) * rng.standard_normal((hidden, 2 * hidden), np.float32))
         for norm in ("enorm", "hnorm", "shared_head.norm"):
-            out[prefix + norm + ".weight"] = mx.ones((hidden,))
+            out[prefix + norm + ".weight"] = mx.array(gains.uniform(0.5, 1.5, hidden).astype(np.float32))
         out[prefix + "embed_tokens.weight"] = weights["model.embed_tokens.weight"]
         out[prefix + "shared_head.head.weight"] = weights["lm_head.weight"]
     return out
@@ -443,8 +446,7 @@ def build_tiny_model(family: str, out_dir: Path, *, num_layers: int = 4, hidden_
     `dtype` is the checkpoint's dtype name (a key of DTYPES): the float32 draws rounded to it.
     `config_overrides` replace config.json keys (e.g. which layers are dense).
     `mtp_layers` (deepseek_v3): multi-token-prediction layers after the decoder layers, as DeepSeek V3
-    ships them (`num_nextn_predict_layers`; `_mtp_weights`). The target's weights are the same as
-    without them.
+    ships them (`num_nextn_predict_layers`; `_mtp_weights`).
     """
     if family not in FAMILIES + MORE_FAMILIES + HYBRID_FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + MORE_FAMILIES + HYBRID_FAMILIES}")

@@ -1,7 +1,9 @@
-"""Speculative decoding (`--speculative-config`, methods ngram and draft_model): the n-gram rule,
-sampling keeps its distribution (a draft model's drafts too), a config that cannot be served stops
-the server at start with one line. Greedy with speculation equals greedy without through a server:
-single node in test_serve.py (beside its plain server), 2 and 3 stages in test_pipeline.py."""
+"""Speculative decoding (`--speculative-config`, methods ngram, draft_model and mtp): the n-gram rule,
+sampling keeps its distribution (a draft model's drafts too), MTP drafts are the checkpoint's MTP
+layer's, a config that cannot be served stops the server at start with one line. Greedy with
+speculation equals greedy without through a server: n-grams and a draft model single node in
+test_serve.py (beside its plain server), 2 and 3 stages in test_pipeline.py; MTP on 1, 2 and 3
+stages here, beside a plain server of its tiny DeepSeek V3."""
 
 import json
 import subprocess
@@ -117,6 +119,17 @@ def test_a_bad_speculative_config_stops_the_server_at_start(llama_model, tmp_pat
     assert speculation.problem(["--speculative-config=" + NGRAM], llama_model) is None
     hybrid = tiny_models.build_tiny_model("qwen3_next", tmp_path / "hybrid")
     assert "recurrent layers" in speculation.problem(["--speculative-config", NGRAM], hybrid)
+
+
+def test_mtp_without_mtp_layers_stops_the_server_at_start(llama_model, mtp_model, tmp_path):
+    """A checkpoint with no MTP layers, or whose config names them but whose weights lost them (an
+    mlx-lm conversion): one line each, before vLLM starts."""
+    line = _serve_error(llama_model, MTP)
+    assert "\"mtp\" needs a checkpoint with multi-token-prediction layers" in line and "(llama)" in line
+    dropped = tiny_models.build_tiny_model("deepseek_v3", tmp_path / "dropped",
+                                           config_overrides={"num_nextn_predict_layers": 1})
+    assert "its weights do not hold them" in speculation.problem(["--speculative-config", MTP], dropped)
+    assert speculation.problem(["--speculative-config", MTP], mtp_model) is None
 
 
 def test_a_draft_models_drafts_keep_the_sampled_distribution(llama_model):
@@ -289,3 +302,91 @@ def mlx_lm_greedy_after(model, history: list[int], n: int) -> list[int]:
     from references import mlx_lm_greedy
 
     return mlx_lm_greedy(model, history, n)
+
+
+# --- MTP through servers: one, two and three stages beside a plain server of the same checkpoint ------
+MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 2})
+MTP_ARGS = ["--gpu-memory-utilization", "0.05", "--max-model-len", "256", "--max-num-batched-tokens", "32",
+            "--max-num-seqs", "8", "--served-model-name", "m"]  # 32: prompts arrive in chunks
+
+
+@pytest.fixture(scope="module")
+def mtp_servers(mtp_model, tmp_path_factory):
+    """The four start together (server_process.running_servers): about the time of one or two."""
+    from server_process import running_servers
+
+    logs = tmp_path_factory.mktemp("mtp-servers")
+    specs = {"plain": (mtp_model, MTP_ARGS, logs / "plain.log")}
+    for stages in (1, 2, 3):
+        specs[stages] = (mtp_model, [*MTP_ARGS, "-pp", str(stages), "--speculative-config", MTP], logs / f"{stages}.log")
+    with running_servers(specs) as urls:
+        yield urls
+
+
+def _client(url):
+    import openai
+
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def _mtp_greedy(client, ids, n, **extra):
+    kw = {k: extra.pop(k) for k in ("stop",) if k in extra}
+    return client.completions.create(model="m", prompt=ids, max_tokens=n, temperature=0, **kw,
+                                     extra_body={"ignore_eos": True, "return_token_ids": True, **extra}).choices[0]
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_greedy_with_mtp_is_greedy_without(mtp_servers, mtp_model, stages):
+    """The checkpoint's MTP layer drafts on the last stage; greedy output equals mlx-lm's, batched
+    with requests limited to a few tokens (where a random MTP layer's drafts are often right), a
+    prompt longer than a chunk among them; drafts were made and some accepted."""
+    import concurrent.futures
+
+    from references import mlx_lm_greedy, mlx_lm_masked_greedy, mtp_reference
+
+    model, _ = mtp_reference(mtp_model)
+    from mlx_lm.utils import load_tokenizer
+
+    tokenizer = load_tokenizer(mtp_model)
+    prompts = [tokenizer.encode(p) for p in ("Hello world, this is a test", "Tea or coffee?",
+                                             "The quick brown fox jumps over the lazy dog again and again and "
+                                             "again until the dog wakes up and runs away")]
+    url = mtp_servers[stages]
+    client = _client(url)
+    before = spec_counts(url)
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        plain = [pool.submit(_mtp_greedy, client, ids, 12) for ids in prompts]
+        few = [pool.submit(_mtp_greedy, client, ids, 16, allowed_token_ids=FEW) for ids in prompts]
+        assert [p.result().token_ids for p in plain] == [mlx_lm_greedy(model, ids, 12) for ids in prompts]
+        assert [f.result().token_ids for f in few] == [mlx_lm_masked_greedy(model, ids, 16, FEW)[0] for ids in prompts]
+    drafted, accepted = (b - a for a, b in zip(before, spec_counts(url)))
+    assert drafted >= 40 and accepted > 0
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+def test_mtp_json_schema_and_stop_strings_match_plain(mtp_servers, mtp_model, stages):
+    """A JSON schema's grammar masks every scored position, and stop strings end the text where they
+    would without drafts, as on the plain server (the requests accept drafts on their way)."""
+    from mlx_lm.utils import load_tokenizer
+
+    plain, spec = _client(mtp_servers["plain"]), _client(mtp_servers[stages])
+    schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red red red red", "blue"]},
+                                               "count": {"type": "integer"}},
+              "required": ["colour", "count"], "additionalProperties": False}
+    messages = [{"role": "user", "content": 'Answer {"colour": "red red red red", "count": 4} again.'}]
+    answers = [c.chat.completions.create(
+        model="m", messages=messages, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}).choices[0]
+        for c in (plain, spec)]
+    assert answers[1].message.content == answers[0].message.content
+    assert answers[1].finish_reason == answers[0].finish_reason
+    assert answers[1].message.content.lstrip().startswith("{")
+    before = spec_counts(mtp_servers[stages])[1]
+    ids = load_tokenizer(mtp_model).encode("Counting sheep")
+    free = _mtp_greedy(plain, ids, 24, allowed_token_ids=FEW)
+    for at in (6, 11, 17):
+        stop = load_tokenizer(mtp_model).decode(free.token_ids[at:at + 2])
+        got = [_mtp_greedy(c, ids, 24, allowed_token_ids=FEW, stop=[stop]) for c in (plain, spec)]
+        assert got[1].text == got[0].text and got[1].finish_reason == got[0].finish_reason == "stop"
+        assert len(got[1].text) < len(free.text)
+    assert spec_counts(mtp_servers[stages])[1] > before

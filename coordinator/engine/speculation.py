@@ -141,14 +141,26 @@ def _mtp_problem(target: dict, model_folder: Path) -> str | None:
     """The checkpoint must carry MTP layers its family can run (the family file knows where)."""
     from metal_cluster.stage_worker.families import family_of
 
+    from metal_cluster.stage_worker.errors import ModelLoadError
+    from metal_cluster.stage_worker.model.checkpoint_sizes import read_headers
+
     try:
-        layers = family_of(target, str(model_folder)).mtp_layers(target)
+        family = family_of(target, str(model_folder))
     except Exception:
         return None  # the model's own problem; the engine's start names it
-    if not layers:
-        return (f"{FLAG}: \"mtp\" needs a checkpoint with multi-token-prediction layers, and "
-                f"{Path(model_folder).name} ({target.get('model_type')}) has none that metal-cluster runs "
-                "(num_nextn_predict_layers of deepseek_v3): use \"ngram\" or \"draft_model\"")
+    name = Path(model_folder).name
+    if not family.mtp_layers(target):
+        return (f"{FLAG}: \"mtp\" needs a checkpoint with multi-token-prediction layers, and {name} "
+                f"({target.get('model_type')}) has none that metal-cluster runs (num_nextn_predict_layers of "
+                "deepseek_v3): use \"ngram\" or \"draft_model\"")
+    try:
+        stored = read_headers(Path(model_folder))
+    except ModelLoadError:
+        return None  # a damaged checkpoint: the stages' load names it
+    if not any(family.is_mtp_tensor(t, target) for t in stored):
+        return (f"{FLAG}: {name}'s config.json names multi-token-prediction layers, but its weights do not hold "
+                "them (conversions such as mlx-lm's and GGUF drop them): serve the original checkpoint for "
+                "\"mtp\", or use \"ngram\" or \"draft_model\"")
     return None
 
 

@@ -142,12 +142,14 @@ def _load_mtp_layer(source, args, index: int, stored: dict, cache: LayerCache) -
     if any(k.endswith(".scales") for k in own):
         raise ModelLoadError(f"{source.folder}: quantized MTP layers ({prefix}*) are not supported; "
                              "use a checkpoint whose MTP layers are in float, bfloat16 or fp8")
-    # mlx-lm's sanitize does to the decoder layer's tensors what it does to every layer's (stacked
-    # experts, MLA's kv_b_proj split, fp8 dequantized), here as layer 0 of a one-layer model.
-    block = {f"model.layers.0.{k}": v for k, v in own.items() if not k.startswith(_MTP_PARTS)}
-    block = deepseek_v3.Model.sanitize(SimpleNamespace(args=dataclasses.replace(args, num_hidden_layers=1)), block)
-    weights = {k: v for k, v in own.items() if k.startswith(_MTP_PARTS)}
-    weights.update({"block." + k.removeprefix("model.layers.0."): v for k, v in block.items()})
+    # mlx-lm's sanitize does to the layer's tensors what it does to every layer's (stacked experts,
+    # MLA's kv_b_proj split, fp8 dequantized), here as layer 0 of a one-layer model.
+    one = SimpleNamespace(args=dataclasses.replace(args, num_hidden_layers=1))
+    sanitized = deepseek_v3.Model.sanitize(one, {f"model.layers.0.{k}": v for k, v in own.items()})
+    weights = {}
+    for name, v in sanitized.items():
+        name = name.removeprefix("model.layers.0.")
+        weights[name if name.startswith(_MTP_PARTS) else "block." + name] = v
     layer = DeepseekMTPLayer(args, index, cache)
     try:
         layer.load_weights(list(weights.items()), strict=True)

@@ -51,11 +51,12 @@ def mtp_reference(folder):
     return model, family_of(source.config, folder).load_mtp(source, source.config)[0]
 
 
-def mtp_greedy_drafts(model, layer, history: list[int], k: int) -> list[int]:
-    """vLLM's DeepSeekMTP drafts after `history`, over the whole history at once with a causal mask
-    (no paged KV): row p reads the target's final-norm hidden state at p and the embedding of token
-    p + 1 (zero at position 0); the last row's argmax is the first draft, and each further draft is
-    one more row, reading the draft before and the previous row's output after shared_head's norm."""
+def mtp_greedy_drafts(model, layer, history: list[int], k: int, recycles_norm: bool = True) -> list[int]:
+    """vLLM's MTP drafts (DeepSeekMTP, Glm4MoeMTP) after `history`, over the whole history at once
+    with a causal mask (no paged KV): row p reads the target's final-norm hidden state at p and the
+    embedding of token p + 1 (zero at position 0); the last row's argmax is the first draft, and each
+    further draft is one more row, reading the draft before and the previous row's output (after
+    shared_head's norm for DeepSeek: `recycles_norm`)."""
     hidden = model.model(mx.array([history]))[0]
     embeds = layer.embed_tokens(mx.array(history[1:]))
     embeds[0] = 0
@@ -68,5 +69,6 @@ def mtp_greedy_drafts(model, layer, history: list[int], k: int) -> list[int]:
         n = x.shape[0]
         out = layer.block(x[None], mx.tril(mx.ones((n, n), dtype=mx.bool_)), None)[0][-1:]
         drafts.append(int(mx.argmax(layer.shared_head.head(layer.shared_head.norm(out))[0])))
-        x = mx.concatenate([x, row(layer.embed_tokens(mx.array(drafts[-1:])), layer.shared_head.norm(out))])
+        recycled = layer.shared_head.norm(out) if recycles_norm else out
+        x = mx.concatenate([x, row(layer.embed_tokens(mx.array(drafts[-1:])), recycled)])
     return drafts

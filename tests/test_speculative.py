@@ -236,12 +236,13 @@ def test_a_gguf_draft_reaches_vllm_as_its_folder(llama_model):
     assert "a draft must use the target's tokenizer" in speculation.problem(args, llama_model)
 
 
-def test_mtp_drafts_are_the_mtp_layers_over_the_whole_history(mtp_model):
+@pytest.mark.parametrize("family", tiny_models.MTP_FAMILIES)
+def test_mtp_drafts_are_the_mtp_layers_over_the_whole_history(family, mtp_model, tmp_path):
     """The last stage's MTP drafter keeps its own paged KV and catches up step by step; its drafts
     must be those of the checkpoint's MTP layer run over the whole history at once (vLLM's rule,
     references.mtp_greedy_drafts): after a prompt in two chunks (the first drafts nothing), after a
     verification that accepted every draft (k + 1 positions caught up), and after one that accepted
-    none (the rejected positions' KV rewritten)."""
+    none (the rejected positions' KV rewritten). DeepSeek V3's MLA layer, GLM-4.5's GQA one."""
     from references import mtp_greedy_drafts, mtp_reference
 
     from metal_cluster.proto import PROTO_VERSION
@@ -252,6 +253,9 @@ def test_mtp_drafts_are_the_mtp_layers_over_the_whole_history(mtp_model):
     from metal_cluster.stage_worker.step.runner import StageRunner
 
     k = 3
+    if family != "deepseek_v3":
+        mtp_model = tiny_models.build_tiny_model(family, tmp_path / family, mtp_layers=1)
+    recycles_norm = family == "deepseek_v3"  # vLLM 0.33: DeepSeek's next guess reads the normed output
     source = resolve_model(mtp_model)
     shard = load_shard(source)
     runner = StageRunner(shard, KVPool.allocate(shard.caches, 8, 16, shard.dtype),
@@ -283,19 +287,19 @@ def test_mtp_drafts_are_the_mtp_layers_over_the_whole_history(mtp_model):
 
     computed = {"a": 0, "b": 0}
     got = run({"a": 6, "b": 5}, {"a": [1, 2], "b": [3, 4]}, {})
-    assert list(got) == ["b"] and got["b"] == mtp_greedy_drafts(model, layer, history["b"], k)
+    assert list(got) == ["b"] and got["b"] == mtp_greedy_drafts(model, layer, history["b"], k, recycles_norm)
     computed["a"] = 6
     greedy = mlx_lm_greedy_after(model, history["b"], k)  # the target's own next tokens: all accepted
     got = run({"a": 5, "b": 1 + k}, {}, {"b": greedy})
     assert history["b"][-k - 1:-1] == greedy
     for r in ("a", "b"):
-        assert got[r] == mtp_greedy_drafts(model, layer, history[r], k), r
+        assert got[r] == mtp_greedy_drafts(model, layer, history[r], k, recycles_norm), r
     wrong = [t for t in range(k + 5) if t != mlx_lm_greedy_after(model, history["a"], 1)[0]][:k]
     before = len(history["a"])
     got = run({"a": 1 + k, "b": 1 + k}, {}, {"a": wrong, "b": got["b"]})
     assert len(history["a"]) == before + 1  # none accepted
     for r in ("a", "b"):
-        assert got[r] == mtp_greedy_drafts(model, layer, history[r], k), r
+        assert got[r] == mtp_greedy_drafts(model, layer, history[r], k, recycles_norm), r
 
 
 def mlx_lm_greedy_after(model, history: list[int], n: int) -> list[int]:

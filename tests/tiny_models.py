@@ -33,6 +33,8 @@ FAMILIES = ("llama", "qwen2", "qwen3")
 MORE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "gemma3_text", "deepseek_v3")
 # Gated DeltaNet layers with a state per request (tests/test_hybrid.py).
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# Checkpoints that may carry multi-token-prediction layers (build_tiny_model's mtp_layers).
+MTP_FAMILIES = ("deepseek_v3", "glm4_moe")
 # Vision-language checkpoints: the text model's config under text_config, its tensors under
 # model.language_model, beside a vision tower and an MTP head that no stage reads.
 NESTED_FAMILIES = ("qwen3_5", "qwen3_5_moe")
@@ -140,10 +142,11 @@ _QWEN3_NEXT_OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernor
 
 
 def _mtp_weights(arch, config: dict, weights: dict, seed: int, n: int) -> dict:
-    """DeepSeek V3's MTP layers as its checkpoint names them, `model.layers.{N + i}.*` after the N
-    decoder layers: enorm and hnorm (of the next token's embedding and of the target's hidden
-    state), eh_proj [hidden, 2 * hidden] mixing the two, one decoder layer (MoE, as past
+    """MTP layers as DeepSeek V3's and GLM-4.5's checkpoints name them, `model.layers.{N + i}.*`
+    after the N decoder layers: enorm and hnorm (of the next token's embedding and of the target's
+    hidden state), eh_proj [hidden, 2 * hidden] mixing the two, one decoder layer (MoE, as past
     first_k_dense_replace), and shared_head (norm, head) with a copy of the embedding, as V3 has."""
+    layer_class = getattr(arch, "DeepseekV3DecoderLayer", None) or arch.DecoderLayer
     args = arch.ModelArgs.from_dict(config)
     first, hidden = config["num_hidden_layers"], config["hidden_size"]
     # Norm gains away from one, the target's final norm's too: an MTP layer reads the target's
@@ -152,7 +155,7 @@ def _mtp_weights(arch, config: dict, weights: dict, seed: int, n: int) -> dict:
     out = {"model.norm.weight": mx.array(gains.uniform(0.5, 1.5, hidden).astype(np.float32))}
     for i in range(first, first + n):
         prefix = f"model.layers.{i}."
-        block = _init_weights(arch.DeepseekV3DecoderLayer(args, i), seed + 1000 + i)
+        block = _init_weights(layer_class(args, i), seed + 1000 + i)
         out.update({prefix + name: w for name, w in block.items()})
         rng = np.random.default_rng([seed, i, 7])
         out[prefix + "eh_proj.weight"] = mx.array(
@@ -160,7 +163,7 @@ def _mtp_weights(arch, config: dict, weights: dict, seed: int, n: int) -> dict:
         for norm in ("enorm", "hnorm", "shared_head.norm"):
             out[prefix + norm + ".weight"] = mx.array(gains.uniform(0.5, 1.5, hidden).astype(np.float32))
         out[prefix + "embed_tokens.weight"] = weights["model.embed_tokens.weight"]
-        out[prefix + "shared_head.head.weight"] = weights["lm_head.weight"]
+        out[prefix + "shared_head.head.weight"] = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
     return out
 
 
@@ -445,8 +448,8 @@ def build_tiny_model(family: str, out_dir: Path, *, num_layers: int = 4, hidden_
 
     `dtype` is the checkpoint's dtype name (a key of DTYPES): the float32 draws rounded to it.
     `config_overrides` replace config.json keys (e.g. which layers are dense).
-    `mtp_layers` (deepseek_v3): multi-token-prediction layers after the decoder layers, as DeepSeek V3
-    ships them (`num_nextn_predict_layers`; `_mtp_weights`).
+    `mtp_layers` (deepseek_v3, glm4_moe): multi-token-prediction layers after the decoder layers, as
+    DeepSeek V3 and GLM-4.5 ship them (`num_nextn_predict_layers`; `_mtp_weights`).
     """
     if family not in FAMILIES + MORE_FAMILIES + HYBRID_FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + MORE_FAMILIES + HYBRID_FAMILIES}")
@@ -474,8 +477,8 @@ def build_tiny_model(family: str, out_dir: Path, *, num_layers: int = 4, hidden_
     )
     config.update(config_overrides or {})
     if mtp_layers:
-        if family != "deepseek_v3":
-            raise ValueError("mtp_layers: only deepseek_v3 fixtures carry multi-token-prediction layers")
+        if family not in MTP_FAMILIES:
+            raise ValueError(f"mtp_layers: only {MTP_FAMILIES} fixtures carry multi-token-prediction layers")
         config["num_nextn_predict_layers"] = mtp_layers
     if family in NESTED_FAMILIES:
         config = _nest_text_config(family, config)

@@ -7,12 +7,11 @@ after kv_a_layernorm and the roped key part. That is vLLM's MLAAttentionSpec wit
 fraction of what GQA arithmetic on 128 heads would say. Attention over it: `kernels.mla`.
 
 Its checkpoints carry `num_nextn_predict_layers` multi-token-prediction layers after the decoder
-layers (`model.layers.{N}.*`: enorm, hnorm, eh_proj, a decoder layer, shared_head), which mlx-lm's
-sanitize drops; `load_mtp` reads them for speculative decoding's `mtp` method (vLLM's DeepSeekMTP).
+layers, which mlx-lm's sanitize drops; `load_mtp` reads them (nextn.py) for speculative decoding's
+`mtp` method, as vLLM's DeepSeekMTP runs them.
 """
 
 import dataclasses
-import re
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -22,11 +21,8 @@ from mlx_lm.models import deepseek_v3
 from metal_cluster.kernels.mla import paged_mla_attention
 from metal_cluster.stage_worker.step.attention import _rope
 from metal_cluster.stage_worker.errors import ModelLoadError
-from metal_cluster.stage_worker.families.base import Family, LayerCache, MTPLayer
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-# An MTP layer's own parts; the rest of its tensors are its decoder layer's.
-_MTP_PARTS = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
+from metal_cluster.stage_worker.families import nextn
+from metal_cluster.stage_worker.families.base import Family, LayerCache
 
 
 class DeepseekV3(Family):
@@ -52,23 +48,21 @@ class DeepseekV3(Family):
 
     # --- multi-token prediction ------------------------------------------------------------------
     def mtp_layers(self, config):
-        return config.get("num_nextn_predict_layers") or 0
+        return nextn.layer_count(config)
 
     def is_mtp_tensor(self, name, config):
-        m = _LAYER.match(name)
-        return m is not None and int(m.group(1)) >= config["num_hidden_layers"]
+        return nextn.is_tensor(name, config)
 
     def load_mtp(self, source, config):
-        from metal_cluster.stage_worker.model.tensors import load_tensors
-
-        first, n = config["num_hidden_layers"], self.mtp_layers(config)
-        if not n:
+        if not self.mtp_layers(config):
             return super().load_mtp(source, config)
         args = deepseek_v3.ModelArgs.from_dict(config)
-        top = ("model.embed_tokens.weight", "lm_head.weight")  # for layers without their own copies
-        stored = load_tensors(source.folder, lambda name: self.is_mtp_tensor(name, config) or name in top)
-        cache = self.layer_caches(config)[-1]
-        return [_load_mtp_layer(source, args, first + i, stored, cache) for i in range(n)]
+        one = SimpleNamespace(args=dataclasses.replace(args, num_hidden_layers=1))
+        # vLLM 0.33's DeepSeek MTP feeds each further guess the output after shared_head's norm.
+        return nextn.load(source, config, block=lambda i: deepseek_v3.DeepseekV3DecoderLayer(args, i),
+                          sanitize=lambda w: deepseek_v3.Model.sanitize(one, w),
+                          cache=self.layer_caches(config)[-1], recycles_norm=True,
+                          keep_dtype=lambda k: "e_score_correction_bias" not in k)  # as mlx-lm keeps it
 
 
 class PagedLatentAttention(nn.Module):
@@ -92,67 +86,3 @@ class PagedLatentAttention(nn.Module):
         pool, _ = cache.pool.layer(cache.layer_index)
         out = paged_mla_attention(q_nope, q_pe, pool, cache.attn, a.scale, a.embed_q, a.unembed_out)
         return a.o_proj(out.reshape(1, tokens, -1))
-
-
-
-class DeepseekMTPLayer(MTPLayer):
-    """vLLM's DeepSeekMultiTokenPredictorLayer: the next token's embedding (zero at position 0) and
-    the target's hidden state, each RMS-normed, concatenated, projected (eh_proj), through one
-    decoder layer; shared_head's norm and head give the logits."""
-
-    def __init__(self, args: deepseek_v3.ModelArgs, index: int, cache: LayerCache):
-        super().__init__()
-        h = args.hidden_size
-        self.embed_tokens = nn.Embedding(args.vocab_size, h)
-        self.enorm = nn.RMSNorm(h, eps=args.rms_norm_eps)
-        self.hnorm = nn.RMSNorm(h, eps=args.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * h, h, bias=False)
-        self.block = deepseek_v3.DeepseekV3DecoderLayer(args, index)
-        self.shared_head = nn.Module()
-        self.shared_head.norm = nn.RMSNorm(h, eps=args.rms_norm_eps)
-        self.shared_head.head = nn.Linear(h, args.vocab_size, bias=False)
-        self.cache = cache
-
-    @property
-    def cast_predicate(self):
-        return lambda k: "e_score_correction_bias" not in k  # as mlx-lm's DeepSeek V3 keeps it
-
-    def __call__(self, tokens, positions, hidden, context):
-        e = mx.where((positions == 0)[:, None], 0, self.embed_tokens(tokens))
-        x = self.eh_proj(mx.concatenate([self.enorm(e), self.hnorm(hidden).astype(e.dtype)], axis=-1))
-        return self.block(x[None], None, context)[0]
-
-    def logits(self, out):
-        return self.shared_head.head(self.shared_head.norm(out))
-
-    def recycle(self, out):
-        return self.shared_head.norm(out)
-
-
-def _load_mtp_layer(source, args, index: int, stored: dict, cache: LayerCache) -> DeepseekMTPLayer:
-    prefix = f"model.layers.{index}."
-    own = {k[len(prefix):]: v for k, v in stored.items() if k.startswith(prefix)}
-    if not own:
-        raise ModelLoadError(f"{source.folder}: config.json has num_nextn_predict_layers, but the checkpoint has "
-                             f"no tensors {prefix}* (mlx-lm's conversions drop them): "
-                             "use the original checkpoint, or speculate with \"ngram\" or \"draft_model\"")
-    for name, fallback in (("embed_tokens.weight", "model.embed_tokens.weight"), ("shared_head.head.weight", "lm_head.weight")):
-        if name not in own and fallback in stored:
-            own[name] = stored[fallback]
-    if any(k.endswith(".scales") for k in own):
-        raise ModelLoadError(f"{source.folder}: quantized MTP layers ({prefix}*) are not supported; "
-                             "use a checkpoint whose MTP layers are in float, bfloat16 or fp8")
-    # mlx-lm's sanitize does to the layer's tensors what it does to every layer's (stacked experts,
-    # MLA's kv_b_proj split, fp8 dequantized), here as layer 0 of a one-layer model.
-    one = SimpleNamespace(args=dataclasses.replace(args, num_hidden_layers=1))
-    sanitized = deepseek_v3.Model.sanitize(one, {f"model.layers.0.{k}": v for k, v in own.items()})
-    weights = {}
-    for name, v in sanitized.items():
-        name = name.removeprefix("model.layers.0.")
-        weights[name if name.startswith(_MTP_PARTS) else "block." + name] = v
-    layer = DeepseekMTPLayer(args, index, cache)
-    try:
-        layer.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
-        raise ModelLoadError(f"{source.folder}: MTP layer {prefix}*: {str(e).splitlines()[0]}") from None
-    return layer

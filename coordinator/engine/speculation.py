@@ -152,7 +152,7 @@ def _mtp_problem(target: dict, model_folder: Path) -> str | None:
     if not family.mtp_layers(target):
         return (f"{FLAG}: \"mtp\" needs a checkpoint with multi-token-prediction layers, and {name} "
                 f"({target.get('model_type')}) has none that metal-cluster runs (num_nextn_predict_layers of "
-                "deepseek_v3): use \"ngram\" or \"draft_model\"")
+                "deepseek_v3 and glm4_moe): use \"ngram\" or \"draft_model\"")
     try:
         stored = read_headers(Path(model_folder))
     except ModelLoadError:

@@ -458,18 +458,20 @@ class ReadChunk(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class WeightsRoomRequest(_message.Message):
-    __slots__ = ("version", "model_store", "manifest_sha256", "layer_start", "layer_end")
+    __slots__ = ("version", "model_store", "manifest_sha256", "layer_start", "layer_end", "spec_mtp")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_STORE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    SPEC_MTP_FIELD_NUMBER: _ClassVar[int]
     version: int
     model_store: str
     manifest_sha256: str
     layer_start: int
     layer_end: int
-    def __init__(self, version: _Optional[int] = ..., model_store: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+    spec_mtp: bool
+    def __init__(self, version: _Optional[int] = ..., model_store: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., spec_mtp: _Optional[bool] = ...) -> None: ...
 
 class WeightsRoomResponse(_message.Message):
     __slots__ = ("need_bytes", "refusal")

@@ -57,6 +57,7 @@ class StageHost:
         self.state = "idle"
         self.phase = ""  # what assign/start is doing now, for progress (Health)
         self.shard = None
+        self.source = None  # where the stage's weights are read from (a fetched folder or the model's)
         # Speculative decoding's draft model or MTP layers (last stage only).
         self.draft: DraftModel | MTPDrafter | None = None
         self.runner: StageRunner | None = None
@@ -124,10 +125,13 @@ class StageHost:
 
     def _load(self, req: pb.AssignRequest):
         if not req.model_store:
-            return load_shard(resolve_model(req.model or None), req.layer_start, req.layer_end)
+            self.source = resolve_model(req.model or None)
+            return load_shard(self.source, req.layer_start, req.layer_end)
         fetched = fetch_stage(req.model_store, req.manifest_sha256, req.layer_start, req.layer_end,
-                              self.token or resolve_token(), self.fetch, cache_limit=self.cache_limit)
-        return load_shard(resolve_model(fetched.folder), req.layer_start, req.layer_end, fetched.tensors)
+                              self.token or resolve_token(), self.fetch, cache_limit=self.cache_limit,
+                              mtp=req.spec_mtp)
+        self.source = resolve_model(fetched.folder)
+        return load_shard(self.source, req.layer_start, req.layer_end, fetched.tensors)
 
     def _load_draft(self, req: pb.AssignRequest) -> DraftModel:
         try:
@@ -140,17 +144,13 @@ class StageHost:
                                  f"does not travel: put it at {req.spec_draft_model} on this host too") from None
 
     def _load_mtp(self, req: pb.AssignRequest) -> MTPDrafter:
-        if req.model_store:
-            # The model store sends a stage the tensors of its layers (manifest.stage_keeps): MTP
-            # layers come after the last one, so they do not travel yet.
-            raise ModelLoadError("this worker fetches its layers from the coordinator, and MTP layers do not travel "
-                                 "yet: serve MTP with the last stage on the coordinator's host, or use \"ngram\"")
-        return MTPDrafter.load(resolve_model(req.model or None), self.shard, req.spec_num_draft_tokens)
+        """From where the stage's layers came: a fetched last stage fetched the MTP layers too."""
+        return MTPDrafter.load(self.source, self.shard, req.spec_num_draft_tokens)
 
     def weights_room(self, req: pb.WeightsRoomRequest) -> pb.WeightsRoomResponse:
         check_version(req.version)
         return weights_room(req.model_store, req.manifest_sha256, req.layer_start, req.layer_end,
-                            self.token or resolve_token(), cache_limit=self.cache_limit)
+                            self.token or resolve_token(), cache_limit=self.cache_limit, mtp=req.spec_mtp)
 
     def start(self, req: pb.StartRequest) -> pb.StartResponse:
         check_version(req.version)

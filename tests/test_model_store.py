@@ -317,3 +317,29 @@ def test_a_classifiers_last_stage_fetches_its_score_head_not_the_embedding(tmp_p
     assert mine.classifies and "embed_tokens" not in mine.model.model
     for (n1, a), (n2, b) in zip(tree_flatten(mine.model.parameters()), tree_flatten(full.model.parameters())):
         assert n1 == n2 and mx.array_equal(a, b)
+
+
+def test_a_last_stage_that_runs_mtp_layers_fetches_them(mtp_model, tmp_path):
+    """Speculative decoding's `mtp`: the last stage fetches the MTP layer (past num_hidden_layers)
+    beside its own, and it loads like the full folder's; a last stage without MTP and the other
+    stages leave it behind."""
+    from metal_cluster.stage_worker.step.mtp import MTPDrafter
+
+    running = _start(mtp_model, tmp_path)
+    try:
+        room = [weights_room(running.address, running.manifest.sha256, 2, 4, TOKEN, root=tmp_path / "room", mtp=mtp)
+                for mtp in (False, True)]
+        plain = fetch(running, tmp_path / "plain-cache", 2, 4)
+        first = fetch_stage(running.address, running.manifest.sha256, 0, 2, TOKEN, root=tmp_path / "first", mtp=True)
+        got = fetch_stage(running.address, running.manifest.sha256, 2, 4, TOKEN, root=tmp_path / "cache", mtp=True)
+    finally:
+        running.stop()
+    mtp_tensors = {n for n in got.tensors if n.startswith("model.layers.4.")}
+    assert mtp_tensors and "model.layers.4.eh_proj.weight" in mtp_tensors
+    assert not [n for n in plain.tensors | first.tensors if n.startswith("model.layers.4.")]
+    assert got.received > plain.received
+    assert room[1].need_bytes - room[0].need_bytes == got.received - plain.received  # asked before a plan
+    mine = MTPDrafter.load(resolve_model(got.folder), load_shard(resolve_model(got.folder), 2, 4, got.tensors), 2)
+    full = MTPDrafter.load(resolve_model(mtp_model), load_shard(resolve_model(mtp_model), 2, 4), 2)
+    pairs = list(zip(tree_flatten(mine.layers[0].parameters()), tree_flatten(full.layers[0].parameters())))
+    assert pairs and all(n1 == n2 and mx.array_equal(a, b) for (n1, a), (n2, b) in pairs)

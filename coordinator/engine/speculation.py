@@ -60,6 +60,16 @@ def problem(args: list[str], model_folder: Path) -> str | None:
     return _model_problem(target, model_folder)
 
 
+def method(args: list[str]) -> str | None:
+    """The speculative method vLLM's arguments ask for (None: none, or a config `problem` refuses)."""
+    raw = flag_value(args)
+    try:
+        config = json.loads(raw) if raw is not None else None
+    except json.JSONDecodeError:
+        return None
+    return _method(config) if isinstance(config, dict) else None
+
+
 def with_draft_folder(args: list[str]) -> list[str]:
     """vLLM's arguments with a draft model named by the folder vLLM reads (a .gguf's derived folder,
     which the stage's loader maps back to the file). Call after `problem` found none."""

@@ -58,6 +58,7 @@ class StageHost:
         self.phase = ""  # what assign/start is doing now, for progress (Health)
         self.shard = None
         self.source = None  # where the stage's weights are read from (a fetched folder or the model's)
+        self.fetched: set[str] | None = None  # the tensors a fetched folder holds
         # Speculative decoding's draft model or MTP layers (last stage only).
         self.draft: DraftModel | MTPDrafter | None = None
         self.runner: StageRunner | None = None
@@ -130,7 +131,7 @@ class StageHost:
         fetched = fetch_stage(req.model_store, req.manifest_sha256, req.layer_start, req.layer_end,
                               self.token or resolve_token(), self.fetch, cache_limit=self.cache_limit,
                               mtp=req.spec_mtp)
-        self.source = resolve_model(fetched.folder)
+        self.source, self.fetched = resolve_model(fetched.folder), fetched.tensors
         return load_shard(self.source, req.layer_start, req.layer_end, fetched.tensors)
 
     def _load_draft(self, req: pb.AssignRequest) -> DraftModel:
@@ -145,7 +146,7 @@ class StageHost:
 
     def _load_mtp(self, req: pb.AssignRequest) -> MTPDrafter:
         """From where the stage's layers came: a fetched last stage fetched the MTP layers too."""
-        return MTPDrafter.load(self.source, self.shard, req.spec_num_draft_tokens)
+        return MTPDrafter.load(self.source, self.shard, req.spec_num_draft_tokens, self.fetched)
 
     def weights_room(self, req: pb.WeightsRoomRequest) -> pb.WeightsRoomResponse:
         check_version(req.version)

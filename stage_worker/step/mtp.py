@@ -45,14 +45,22 @@ class MTPDrafter:
     weights_bytes: int = 0
 
     @classmethod
-    def load(cls, source, shard: ModelShard, k: int) -> "MTPDrafter":
-        """The checkpoint's MTP layers beside a last stage's layers, in its compute dtype."""
+    def load(cls, source, shard: ModelShard, k: int, fetched: set[str] | None = None) -> "MTPDrafter":
+        """The checkpoint's MTP layers beside a last stage's layers, in its compute dtype. `fetched`:
+        the tensors a folder fetched from a model store holds (the others are holes)."""
         if not shard.is_last:
             raise ModelLoadError("MTP layers run on the last stage")
         family = shard.family
         if not family.mtp_layers(shard.config):
             raise ModelLoadError(f"{source.folder}: the checkpoint has no multi-token-prediction layers "
                                  f"({shard.config.get('model_type')}: num_nextn_predict_layers is 0 or missing)")
+        if fetched is not None:
+            from metal_cluster.stage_worker.model.checkpoint_sizes import read_headers
+
+            missing = [n for n in read_headers(source.folder) if family.is_mtp_tensor(n, shard.config) and n not in fetched]
+            if missing:
+                raise ModelLoadError(f"{source.folder}: the MTP layers need {missing[0]} (and {len(missing) - 1} more), "
+                                     "which were not fetched from the model store")
         layers = family.load_mtp(source, shard.config)
         for layer in layers:
             dtypes.settle(layer, shard.dtype)

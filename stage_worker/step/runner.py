@@ -59,7 +59,7 @@ class StageOutput:
     on_device: DeviceTokens | None = None  # kept tokens not read back yet: `resolve` reads them
     prompt_logprobs: list = field(default_factory=list)  # pb.PromptLogprobs of this step's prompt chunks
     pooled: dict[str, np.ndarray] = field(default_factory=dict)  # pooling requests whose prompt ended
-    spec_drafts: list = field(default_factory=list)  # pb.SpecDraftTokens: a draft model's next drafts
+    spec_drafts: list = field(default_factory=list)  # pb.SpecDraftTokens: the drafter's next drafts
     # The last stage's layers' output (before the final norm) when it drafts: MTP layers read it.
     last_hidden: mx.array | None = None
 
@@ -108,7 +108,8 @@ class StageRunner:
     def run(self, step: pb.StepRequest, batch: StepBatch, hidden_in: mx.array | None = None) -> StageOutput:
         """Run the step's work. A stage that keeps its tokens only queues it: `StageOutput.resolve`
         waits for the tokens; every other stage has finished it when this returns. With a draft
-        model the step ends with its drafts, made from the tokens chosen (so waited for)."""
+        model or MTP layers the step ends with their drafts, made from the tokens chosen (so waited
+        for; MTP layers also read the layers' output)."""
         out = self._run(step, batch, hidden_in)
         if self.draft is not None and batch.req_ids:
             out.resolve()

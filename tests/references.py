@@ -51,12 +51,14 @@ def mtp_reference(folder):
     return model, family_of(source.config, folder).load_mtp(source, source.config)[0]
 
 
-def mtp_greedy_drafts(model, layer, history: list[int], k: int, recycles_norm: bool = True) -> list[int]:
+def mtp_greedy_drafts(model, layer, history: list[int], k: int, recycles_norm: bool = True,
+                      allowed: list[int] | None = None) -> list[int]:
     """vLLM's MTP drafts (DeepSeekMTP, Glm4MoeMTP) after `history`, over the whole history at once
     with a causal mask (no paged KV): row p reads the target's final-norm hidden state at p and the
     embedding of token p + 1 (zero at position 0); the last row's argmax is the first draft, and each
     further draft is one more row, reading the draft before and the previous row's output (after
-    shared_head's norm for DeepSeek: `recycles_norm`)."""
+    shared_head's norm for DeepSeek: `recycles_norm`). `allowed`: drafts among these tokens only,
+    as the drafter picks them for a request with allowed_token_ids."""
     hidden = model.model(mx.array([history]))[0]
     embeds = layer.embed_tokens(mx.array(history[1:]))
     embeds[0] = 0
@@ -68,7 +70,24 @@ def mtp_greedy_drafts(model, layer, history: list[int], k: int, recycles_norm: b
     for _ in range(k):
         n = x.shape[0]
         out = layer.block(x[None], mx.tril(mx.ones((n, n), dtype=mx.bool_)), None)[0][-1:]
-        drafts.append(int(mx.argmax(layer.shared_head.head(layer.shared_head.norm(out))[0])))
+        logits = layer.shared_head.head(layer.shared_head.norm(out))[0]
+        drafts.append(int(mx.argmax(logits)) if allowed is None else max(allowed, key=lambda t: logits[t].item()))
         recycled = layer.shared_head.norm(out) if recycles_norm else out
         x = mx.concatenate([x, row(layer.embed_tokens(mx.array(drafts[-1:])), recycled)])
     return drafts
+
+
+def mtp_accepted_positions(model, layer, prompt: list[int], n: int, k: int, allowed: list[int]) -> set[int]:
+    """The output positions whose token a greedy request with MTP drafts (k per step, among
+    `allowed`) takes from an accepted draft: vLLM's schedule for one request, whose drafts depend on
+    its history alone (each step's room: k, or what max_tokens leaves after the step's own token)."""
+    target = mlx_lm_masked_greedy(model, prompt, n, allowed)[0]
+    out, accepted = target[:1], set()
+    while len(out) < n:
+        drafts = mtp_greedy_drafts(model, layer, prompt + out, k, allowed=allowed)[:min(k, n - len(out) - 1)]
+        m = 0
+        while m < len(drafts) and drafts[m] == target[len(out) + m]:
+            m += 1
+        accepted |= set(range(len(out), len(out) + m))
+        out = target[:len(out) + m + 1]
+    return accepted

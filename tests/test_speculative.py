@@ -367,11 +367,15 @@ def test_greedy_with_mtp_is_greedy_without(mtp_servers, mtp_model, stages):
     assert drafted >= 40 and accepted > 0
 
 
-@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("stages", [1, 2, 3])
 def test_mtp_json_schema_and_stop_strings_match_plain(mtp_servers, mtp_model, stages):
-    """A JSON schema's grammar masks every scored position, and stop strings end the text where they
-    would without drafts, as on the plain server (the requests accept drafts on their way)."""
+    """A JSON schema's grammar masks every scored position, as on the plain server; and stop strings
+    that end on a token taken from an accepted draft (the oracle knows which: a request's drafts
+    follow from its history alone) end the text right there, although that step gained the token
+    after it too."""
     from mlx_lm.utils import load_tokenizer
+
+    from references import mtp_accepted_positions, mtp_reference
 
     plain, spec = _client(mtp_servers["plain"]), _client(mtp_servers[stages])
     schema = {"type": "object", "properties": {"colour": {"type": "string", "enum": ["red red red red", "blue"]},
@@ -385,12 +389,24 @@ def test_mtp_json_schema_and_stop_strings_match_plain(mtp_servers, mtp_model, st
     assert answers[1].message.content == answers[0].message.content
     assert answers[1].finish_reason == answers[0].finish_reason
     assert answers[1].message.content.lstrip().startswith("{")
+    tokenizer = load_tokenizer(mtp_model)
+    ids, n = tokenizer.encode("The quick brown fox"), 24
+    free = _mtp_greedy(plain, ids, n, allowed_token_ids=FEW).token_ids
+    accepted = mtp_accepted_positions(*mtp_reference(mtp_model), ids, n, 2, FEW)
+    stops = [stop for a in sorted(accepted) if a + 1 < n and (stop := _unique_stop(tokenizer, free, a))][:2]
+    assert stops  # the test needs stop strings that end inside a step's accepted drafts
     before = spec_counts(mtp_servers[stages])[1]
-    ids = load_tokenizer(mtp_model).encode("Counting sheep")
-    free = _mtp_greedy(plain, ids, 24, allowed_token_ids=FEW)
-    for at in (6, 11, 17):
-        stop = load_tokenizer(mtp_model).decode(free.token_ids[at:at + 2])
-        got = [_mtp_greedy(c, ids, 24, allowed_token_ids=FEW, stop=[stop]) for c in (plain, spec)]
-        assert got[1].text == got[0].text and got[1].finish_reason == got[0].finish_reason == "stop"
-        assert len(got[1].text) < len(free.text)
+    for text, stop in stops:
+        got = [_mtp_greedy(c, ids, n, allowed_token_ids=FEW, stop=[stop]) for c in (plain, spec)]
+        assert got[1].text == got[0].text == text and got[1].finish_reason == got[0].finish_reason == "stop"
     assert spec_counts(mtp_servers[stages])[1] > before
+
+
+def _unique_stop(tokenizer, tokens: list[int], end: int) -> tuple[str, str] | None:
+    """(the text before it, a stop string) ending on token `end` whose first occurrence is there."""
+    full = tokenizer.decode(tokens)
+    for first in range(end, max(end - 6, -1), -1):
+        before, stop = tokenizer.decode(tokens[:first]), tokenizer.decode(tokens[first:end + 1])
+        if full.find(stop) == len(before):
+            return before, stop
+    return None

@@ -343,7 +343,7 @@ def test_a_last_stage_that_runs_mtp_layers_fetches_them(mtp_model, tmp_path):
     assert assigned.spec_draft_weights_bytes > 0 and assigned.spec_draft_bytes_per_block > 0
     mine = MTPDrafter.load(resolve_model(got.folder), load_shard(resolve_model(got.folder), 2, 4, got.tensors), 2)
     full = MTPDrafter.load(resolve_model(mtp_model), load_shard(resolve_model(mtp_model), 2, 4), 2)
-    pairs = list(zip(tree_flatten(mine.layers[0].parameters()), tree_flatten(full.layers[0].parameters())))
+    pairs = list(zip(tree_flatten(mine.layer.parameters()), tree_flatten(full.layer.parameters())))
     assert pairs and all(n1 == n2 and mx.array_equal(a, b) for (n1, a), (n2, b) in pairs)
 
 

@@ -13,7 +13,9 @@ Each step, once the target's tokens are chosen:
    known token and the drafts it accepted; its KV at those positions is rewritten from the target's;
 2. for each request that sampled, the guess of its last row is the first draft; each further draft
    is one more position, reading the draft before and the previous output's recycled hidden state,
-   through MTP layer j % n (vLLM's recursion when k is more than the checkpoint's layers).
+   through the same layer again. vLLM's proposer runs the checkpoint's first MTP layer for every
+   draft (spec_step_idx stays 0), so only that one is loaded: a later layer's KV would hold only
+   the positions of its own drafts.
 Drafts are greedy, as vLLM's. A position's KV written from a draft's hidden state (step 2) is
 rewritten in the next step's pass (step 1), since the target then scores that position.
 """
@@ -35,7 +37,7 @@ from metal_cluster.stage_worker.step.draft import Row, choose, paged_batch
 
 @dataclass
 class MTPDrafter:
-    layers: list  # families.base.MTPLayer, in the checkpoint's order
+    layer: object  # families.base.MTPLayer: the checkpoint's first
     final_norm: object  # the target's final norm: what MTP layers read of its hidden states
     k: int  # drafts per request and step
     dtype: mx.Dtype
@@ -61,27 +63,24 @@ class MTPDrafter:
             if missing:
                 raise ModelLoadError(f"{source.folder}: the MTP layers need {missing[0]} (and {len(missing) - 1} more), "
                                      "which were not fetched from the model store")
-        layers = family.load_mtp(source, shard.config)
-        for layer in layers:
-            dtypes.settle(layer, shard.dtype)
-        mx.eval([layer.parameters() for layer in layers])
-        for layer in layers:
-            family.wrap_layer(layer.block, layer.cache)
-        weights = sum(v.nbytes for layer in layers for _, v in tree_flatten(layer.parameters()))
-        norm = family.inner(shard.model).norm
-        return cls(layers, norm, k, shard.dtype, weights_bytes=weights)
+        layer = family.load_mtp(source, shard.config)[0]  # the others stay lazy: never read
+        dtypes.settle(layer, shard.dtype)
+        mx.eval(layer.parameters())
+        family.wrap_layer(layer.block, layer.cache)
+        weights = sum(v.nbytes for _, v in tree_flatten(layer.parameters()))
+        return cls(layer, family.inner(shard.model).norm, k, shard.dtype, weights_bytes=weights)
 
     @property
     def caches(self) -> list:
-        return [layer.cache for layer in self.layers]
+        return [self.layer.cache]
 
     def bytes_per_block(self, block_size: int) -> int:
         return bytes_per_block(self.caches, block_size, self.dtype)
 
     def allocate(self, num_blocks: int, block_size: int, group: int = 0) -> "MTPDrafter":
-        """These layers with a pool of their own (the warm-up's is thrown away)."""
+        """This layer with a pool of its own (the warm-up's is thrown away)."""
         pool = KVPool.allocate(self.caches, num_blocks, block_size, self.dtype)
-        return MTPDrafter(self.layers, self.final_norm, self.k, self.dtype, group, pool, block_size,
+        return MTPDrafter(self.layer, self.final_norm, self.k, self.dtype, group, pool, block_size,
                           self.weights_bytes)
 
     # --- one step ---------------------------------------------------------------------------------
@@ -111,8 +110,8 @@ class MTPDrafter:
             offset += n
         if not rows:
             return []
-        first = self.layers[0]
-        out = self._forward(first, rows, self.final_norm(mx.concatenate(pieces)))
+        layer = self.layer
+        out = self._forward(rows, self.final_norm(mx.concatenate(pieces)))
         if not proposing or self.k <= 0:
             mx.eval(self.pool.arrays)
             return []
@@ -120,17 +119,14 @@ class MTPDrafter:
         out = out[mx.array(ends[proposing])]
         proposers = [rows[i] for i in proposing]
         states = [table[r.req_id] for r in proposers]
-        drafts = [choose(first.logits(out), states)]
+        drafts = [choose(layer.logits(out), states)]
         for r in proposers:
             r.start, r.tokens = r.start + len(r.tokens), None  # the next position: its token is the draft
-        previous = first
-        for j in range(1, self.k):
+        for _ in range(1, self.k):
             if any(r.start >= len(r.table) * self.block_size for r in proposers):
                 break  # past a request's blocks (vLLM's lookahead always covers k; a guard, not a path)
-            layer = self.layers[j % len(self.layers)]
-            out = self._forward(layer, proposers, previous.recycle(out), drafts[-1], j % len(self.layers))
+            out = self._forward(proposers, layer.recycle(out), drafts[-1])
             drafts.append(choose(layer.logits(out), states))
-            previous = layer
             for r in proposers:
                 r.start += 1
         tokens = mx.stack(drafts, axis=1)
@@ -138,10 +134,9 @@ class MTPDrafter:
         return [pb.SpecDraftTokens(req_id=r.req_id, token_ids=ids, after=len(history))
                 for r, ids, history in zip(proposers, tokens.tolist(), histories)]
 
-    def _forward(self, layer, rows: list[Row], hidden: mx.array, tokens: mx.array | None = None,
-                 index: int = 0) -> mx.array:
-        """One MTP layer over the rows: their tokens (or one device token per row) and hidden states."""
+    def _forward(self, rows: list[Row], hidden: mx.array, tokens: mx.array | None = None) -> mx.array:
+        """The MTP layer over the rows: their tokens (or one device token per row) and hidden states."""
         batch = paged_batch(rows, self.block_size)
         if tokens is None:
             tokens = mx.array([t for r in rows for t in r.tokens], dtype=mx.int32)
-        return layer(tokens, batch.positions, hidden.astype(self.dtype), LayerContext(batch, self.pool, index))
+        return self.layer(tokens, batch.positions, hidden.astype(self.dtype), LayerContext(batch, self.pool, 0))

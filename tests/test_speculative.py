@@ -243,7 +243,7 @@ def test_mtp_drafts_are_the_mtp_layers_over_the_whole_history(family, mtp_model,
     references.mtp_greedy_drafts): after a prompt in two chunks (the first drafts nothing), after a
     verification that accepted every draft (k + 1 positions caught up), and after one that accepted
     none (the rejected positions' KV rewritten). DeepSeek V3's MLA layer, GLM-4.5's GQA one."""
-    from references import mtp_greedy_drafts, mtp_reference
+    from references import mlx_lm_greedy, mtp_greedy_drafts, mtp_reference
 
     from metal_cluster.proto import PROTO_VERSION
     from metal_cluster.stage_worker.kv.paged_kv import KVPool
@@ -289,23 +289,17 @@ def test_mtp_drafts_are_the_mtp_layers_over_the_whole_history(family, mtp_model,
     got = run({"a": 6, "b": 5}, {"a": [1, 2], "b": [3, 4]}, {})
     assert list(got) == ["b"] and got["b"] == mtp_greedy_drafts(model, layer, history["b"], k, recycles_norm)
     computed["a"] = 6
-    greedy = mlx_lm_greedy_after(model, history["b"], k)  # the target's own next tokens: all accepted
+    greedy = mlx_lm_greedy(model, history["b"], k)  # the target's own next tokens: all accepted
     got = run({"a": 5, "b": 1 + k}, {}, {"b": greedy})
     assert history["b"][-k - 1:-1] == greedy
     for r in ("a", "b"):
         assert got[r] == mtp_greedy_drafts(model, layer, history[r], k, recycles_norm), r
-    wrong = [t for t in range(k + 5) if t != mlx_lm_greedy_after(model, history["a"], 1)[0]][:k]
+    wrong = [t for t in range(k + 5) if t != mlx_lm_greedy(model, history["a"], 1)[0]][:k]
     before = len(history["a"])
     got = run({"a": 1 + k, "b": 1 + k}, {}, {"a": wrong, "b": got["b"]})
     assert len(history["a"]) == before + 1  # none accepted
     for r in ("a", "b"):
         assert got[r] == mtp_greedy_drafts(model, layer, history[r], k, recycles_norm), r
-
-
-def mlx_lm_greedy_after(model, history: list[int], n: int) -> list[int]:
-    from references import mlx_lm_greedy
-
-    return mlx_lm_greedy(model, history, n)
 
 
 # --- MTP through servers: one, two and three stages beside a plain server of the same checkpoint ------

@@ -2,7 +2,7 @@
 answers repeat the prompt (edit / proofread a given text), the embedded SmolLM2 over 1 and 3 stages.
 
   .venv/bin/python bench/speculative.py [--stages 1,3] [--concurrency 1,8] [--max-tokens 96] [--workload repeat|free]
-      [--method ngram|draft-self|draft-random]
+      [--method ngram|draft-self|draft-random|mtp] [--model FOLDER]
 
 For each stage count a plain server and a speculating one (`--speculative-config`) run side by
 side, and the measurements alternate between them (plain c=1, spec c=1, plain c=8, ...; `--repeats`
@@ -14,6 +14,12 @@ GGUF as its draft (`draft-self`: every draft accepted, at the price of running t
 times a step: the upper bound of acceptance) or a random 2-layer llama of SmolLM2's vocabulary
 (`draft-random`: nearly every draft rejected, the draft costs next to nothing: the lower bound).
 No small sibling of SmolLM2-135M is available offline.
+
+`mtp`: the checkpoint's own multi-token-prediction layers on the last stage (`--model`, a folder of
+a checkpoint that carries them, e.g. DeepSeek V3's `num_nextn_predict_layers`; served with
+`num_speculative_tokens` MTP_TOKENS). Without `--model`, a random DeepSeek V3 (hidden 512, 8 layers
+and one MTP layer) is built: its drafts are seldom right, so that run is the MTP pass's cost, the
+lower bound; the acceptance a real checkpoint reaches is in its row.
 """
 
 import argparse
@@ -39,6 +45,7 @@ from server_process import running_server  # noqa: E402
 MODEL = "SmolLM2-135M-Instruct"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 DRAFT_TOKENS = 4
+MTP_TOKENS = 2  # DeepSeek V3 has one MTP layer; vLLM applies it again for each further draft
 TEXTS = [
     "The meeting is moved from Tuesday to Thursday at ten o'clock in the small room on the second floor. "
     "Please bring the budget figures for the third quarter and the draft of the new travel policy.",
@@ -54,6 +61,7 @@ TEXTS = [
 FREE = ["Write a short story about a lighthouse keeper.", "Explain how bread rises, for a child.",
         "Invent a recipe with apples and cheese.", "Describe a walk through a forest in autumn."]
 WORKLOAD = "repeat"
+SERVED = MODEL  # the name both servers serve the model under
 
 
 def messages(i: int) -> list[dict]:
@@ -65,7 +73,7 @@ def messages(i: int) -> list[dict]:
 
 def one(client, i: int, max_tokens: int) -> tuple[list[int], float]:
     """(token ids, seconds from the first output token to the last)."""
-    stream = client.chat.completions.create(model=MODEL, messages=messages(i), max_tokens=max_tokens,
+    stream = client.chat.completions.create(model=SERVED, messages=messages(i), max_tokens=max_tokens,
                                             temperature=0, stream=True, extra_body={"return_token_ids": True})
     tokens, first = [], None
     for chunk in stream:
@@ -98,9 +106,19 @@ def acceptance(url: str) -> tuple[float, float]:
     return (accepted / drafted if drafted else 0.0), (1 + accepted / drafts if drafts else 1.0)
 
 
+def random_mtp_model(work: Path) -> Path:
+    """A random DeepSeek V3 with one MTP layer, big enough that its passes cost something."""
+    from tiny_models import build_tiny_model
+
+    return build_tiny_model("deepseek_v3", work / "random-mtp", num_layers=8, hidden_size=512, intermediate_size=1024,
+                            num_heads=8, num_kv_heads=8, mtp_layers=1, dtype="bfloat16")
+
+
 def speculative_config(method: str, work: Path) -> dict:
     if method == "ngram":
         return NGRAM
+    if method == "mtp":
+        return {"method": "mtp", "num_speculative_tokens": MTP_TOKENS}
     from metal_cluster.stage_worker.model.model_source import resolve_model
 
     target = resolve_model(None)
@@ -121,25 +139,29 @@ def main():
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--workload", choices=("repeat", "free"), default="repeat")
-    parser.add_argument("--method", choices=("ngram", "draft-self", "draft-random"), default="ngram")
+    parser.add_argument("--method", choices=("ngram", "draft-self", "draft-random", "mtp"), default="ngram")
+    parser.add_argument("--model", help="the model folder (default: the embedded SmolLM2; for mtp a random DeepSeek V3)")
     args = parser.parse_args()
-    global WORKLOAD
+    global WORKLOAD, SERVED
     WORKLOAD = args.workload
     levels = [int(c) for c in args.concurrency.split(",")]
     print(f"machine: {platform.machine()} {platform.system()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}")
     rows = []
     with tempfile.TemporaryDirectory() as work:
         spec_config = speculative_config(args.method, Path(work))
-        print(f"speculative config: {json.dumps(spec_config)}")
+        model = args.model or (random_mtp_model(Path(work)) if args.method == "mtp" else None)
+        SERVED = Path(model).name if model else MODEL
+        print(f"model: {model or MODEL}; speculative config: {json.dumps(spec_config)}")
         for stages in (int(s) for s in args.stages.split(",")):
             with contextlib.ExitStack() as servers:
                 clients, urls = {}, {}
                 for mode in ("plain", "spec"):
                     extra = ["--max-model-len", "2048", "--max-num-batched-tokens", "512", "--max-num-seqs", "16"]
+                    extra += ["--served-model-name", SERVED] if model else []
                     extra += ["-pp", str(stages)] if stages > 1 else []
                     extra += ["--speculative-config", json.dumps(spec_config)] if mode == "spec" else []
                     urls[mode] = servers.enter_context(
-                        running_server(None, *extra, log_path=Path(work) / f"{mode}-{stages}.log", timeout=900))
+                        running_server(model, *extra, log_path=Path(work) / f"{mode}-{stages}.log", timeout=900))
                     clients[mode] = openai.OpenAI(base_url=f"{urls[mode]}/v1", api_key="unused", timeout=600,
                                                   max_retries=0)
                     one(clients[mode], 0, 8)  # warm

@@ -174,11 +174,13 @@ def up(
     cluster.show_plan(stages, console)
     store = None
     if any(not s.host.local for s in stages):  # hosts without a copy fetch their layers from here
+        from metal_cluster.coordinator.engine import speculation
+
         try:
             store = cluster.start_model_store(source, _served_name(source), ip, token, console, weights_over_tls)
             stages = cluster.leave_out_hosts_without_room(
                 stages, hosts, lambda hosts: placement.plan(hosts, cost, gpu_memory_utilization, kv_tokens),
-                store, token, console)
+                store, token, console, mtp=speculation.method(extra) == "mtp")
         except (ModelLoadError, OSError, placement.PlacementError) as e:
             if store:
                 store.stop()

@@ -222,7 +222,7 @@ class SpecDraftTokens(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., after: _Optional[int] = ...) -> None: ...
 
 class AssignRequest(_message.Message):
-    __slots__ = ("version", "model", "layer_start", "layer_end", "block_size", "max_num_batched_tokens", "memory_utilization", "model_store", "manifest_sha256", "activation_bytes_known", "spec_draft_model", "spec_num_draft_tokens")
+    __slots__ = ("version", "model", "layer_start", "layer_end", "block_size", "max_num_batched_tokens", "memory_utilization", "model_store", "manifest_sha256", "activation_bytes_known", "spec_draft_model", "spec_num_draft_tokens", "spec_mtp")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,7 @@ class AssignRequest(_message.Message):
     ACTIVATION_BYTES_KNOWN_FIELD_NUMBER: _ClassVar[int]
     SPEC_DRAFT_MODEL_FIELD_NUMBER: _ClassVar[int]
     SPEC_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_MTP_FIELD_NUMBER: _ClassVar[int]
     version: int
     model: str
     layer_start: int
@@ -247,7 +248,8 @@ class AssignRequest(_message.Message):
     activation_bytes_known: int
     spec_draft_model: str
     spec_num_draft_tokens: int
-    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., memory_utilization: _Optional[float] = ..., model_store: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., activation_bytes_known: _Optional[int] = ..., spec_draft_model: _Optional[str] = ..., spec_num_draft_tokens: _Optional[int] = ...) -> None: ...
+    spec_mtp: bool
+    def __init__(self, version: _Optional[int] = ..., model: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., block_size: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., memory_utilization: _Optional[float] = ..., model_store: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., activation_bytes_known: _Optional[int] = ..., spec_draft_model: _Optional[str] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_mtp: _Optional[bool] = ...) -> None: ...
 
 class AssignResponse(_message.Message):
     __slots__ = ("weights_bytes", "activation_bytes", "bytes_per_block", "kv_budget_bytes", "num_layers", "host_memory_bytes", "dtype", "load_seconds", "warm_up_seconds", "spec_draft_bytes_per_block", "spec_draft_weights_bytes")
@@ -464,18 +466,20 @@ class ReadChunk(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class WeightsRoomRequest(_message.Message):
-    __slots__ = ("version", "model_store", "manifest_sha256", "layer_start", "layer_end")
+    __slots__ = ("version", "model_store", "manifest_sha256", "layer_start", "layer_end", "spec_mtp")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MODEL_STORE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_SHA256_FIELD_NUMBER: _ClassVar[int]
     LAYER_START_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    SPEC_MTP_FIELD_NUMBER: _ClassVar[int]
     version: int
     model_store: str
     manifest_sha256: str
     layer_start: int
     layer_end: int
-    def __init__(self, version: _Optional[int] = ..., model_store: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ...) -> None: ...
+    spec_mtp: bool
+    def __init__(self, version: _Optional[int] = ..., model_store: _Optional[str] = ..., manifest_sha256: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., spec_mtp: _Optional[bool] = ...) -> None: ...
 
 class WeightsRoomResponse(_message.Message):
     __slots__ = ("need_bytes", "refusal")

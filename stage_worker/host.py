@@ -17,6 +17,7 @@ import psutil
 from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.stage_worker.kv import memory
 from metal_cluster.stage_worker.step.draft import DraftModel
+from metal_cluster.stage_worker.step.mtp import MTPDrafter
 from metal_cluster.stage_worker.model.dtypes import dtype_name, from_name
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.net.auth import resolve_token
@@ -56,7 +57,10 @@ class StageHost:
         self.state = "idle"
         self.phase = ""  # what assign/start is doing now, for progress (Health)
         self.shard = None
-        self.draft: DraftModel | None = None  # speculative decoding's draft model (last stage only)
+        self.source = None  # where the stage's weights are read from (a fetched folder or the model's)
+        self.fetched: set[str] | None = None  # the tensors a fetched folder holds
+        # Speculative decoding's draft model or MTP layers (last stage only).
+        self.draft: DraftModel | MTPDrafter | None = None
         self.runner: StageRunner | None = None
         self.ring: Ring | None = None
         self.block_size = 0
@@ -90,9 +94,9 @@ class StageHost:
                 self.shard = self._load(req)
                 self.block_size = req.block_size
                 weights = sum(v.nbytes for v in _params(self.shard.model))
-                if req.spec_draft_model and self.shard.is_last:
-                    self.phase = "loading the draft model"
-                    self.draft = self._load_draft(req)
+                if (req.spec_draft_model or req.spec_mtp) and self.shard.is_last:
+                    self.phase = "loading the MTP layers" if req.spec_mtp else "loading the draft model"
+                    self.draft = self._load_mtp(req) if req.spec_mtp else self._load_draft(req)
                     weights += self.draft.weights_bytes
                 loaded = time.perf_counter()
                 if req.activation_bytes_known > 0:  # a re-plan: this worker measured it for the last plan
@@ -122,10 +126,13 @@ class StageHost:
 
     def _load(self, req: pb.AssignRequest):
         if not req.model_store:
-            return load_shard(resolve_model(req.model or None), req.layer_start, req.layer_end)
+            self.source = resolve_model(req.model or None)
+            return load_shard(self.source, req.layer_start, req.layer_end)
         fetched = fetch_stage(req.model_store, req.manifest_sha256, req.layer_start, req.layer_end,
-                              self.token or resolve_token(), self.fetch, cache_limit=self.cache_limit)
-        return load_shard(resolve_model(fetched.folder), req.layer_start, req.layer_end, fetched.tensors)
+                              self.token or resolve_token(), self.fetch, cache_limit=self.cache_limit,
+                              mtp=req.spec_mtp)
+        self.source, self.fetched = resolve_model(fetched.folder), fetched.tensors
+        return load_shard(self.source, req.layer_start, req.layer_end, fetched.tensors)
 
     def _load_draft(self, req: pb.AssignRequest) -> DraftModel:
         try:
@@ -137,10 +144,14 @@ class StageHost:
             raise ModelLoadError(f"{e}; this worker fetches its layers from the coordinator, but a draft model "
                                  f"does not travel: put it at {req.spec_draft_model} on this host too") from None
 
+    def _load_mtp(self, req: pb.AssignRequest) -> MTPDrafter:
+        """From where the stage's layers came: a fetched last stage fetched the MTP layers too."""
+        return MTPDrafter.load(self.source, self.shard, req.spec_num_draft_tokens, self.fetched)
+
     def weights_room(self, req: pb.WeightsRoomRequest) -> pb.WeightsRoomResponse:
         check_version(req.version)
         return weights_room(req.model_store, req.manifest_sha256, req.layer_start, req.layer_end,
-                            self.token or resolve_token(), cache_limit=self.cache_limit)
+                            self.token or resolve_token(), cache_limit=self.cache_limit, mtp=req.spec_mtp)
 
     def start(self, req: pb.StartRequest) -> pb.StartResponse:
         check_version(req.version)

@@ -25,3 +25,9 @@ def llama_adapters(llama_model, tmp_path_factory) -> dict:
     from lora_fixtures import build_adapters
 
     return build_adapters(llama_model, tmp_path_factory.mktemp("llama-adapters"))
+
+
+@pytest.fixture(scope="session")
+def mtp_model(tmp_path_factory) -> Path:
+    """A tiny DeepSeek V3 with one multi-token-prediction layer (speculative decoding's `mtp`)."""
+    return tiny_models.build_tiny_model("deepseek_v3", tmp_path_factory.mktemp("deepseek-mtp"), mtp_layers=1)

@@ -378,3 +378,46 @@ def test_bytes_changed_on_the_way_are_refused_and_not_kept(store, model, tmp_pat
         fetch(store, cache, 0, 4)
     recorded = (cache / "blobs" / f"{weights.sha256}.pieces").read_text()
     assert f"{piece.offset} {piece.length} " not in recorded
+
+
+def test_a_last_stage_that_runs_mtp_layers_fetches_them(mtp_model, tmp_path):
+    """Speculative decoding's `mtp`: the last stage fetches the MTP layer (past num_hidden_layers)
+    beside its own, and it loads like the full folder's; a last stage without MTP and the other
+    stages leave it behind."""
+    from metal_cluster.stage_worker.step.mtp import MTPDrafter
+
+    running = _start(mtp_model, tmp_path)
+    try:
+        room = [weights_room(running.address, running.manifest.sha256, 2, 4, TOKEN, root=tmp_path / "room", mtp=mtp)
+                for mtp in (False, True)]
+        plain = fetch(running, tmp_path / "plain-cache", 2, 4)
+        first = fetch_stage(running.address, running.manifest.sha256, 0, 2, TOKEN, root=tmp_path / "first", mtp=True)
+        got = fetch_stage(running.address, running.manifest.sha256, 2, 4, TOKEN, root=tmp_path / "cache", mtp=True)
+        assigned = _assign_fetching_last_stage(running, tmp_path / "host-cache")
+    finally:
+        running.stop()
+    mtp_tensors = {n for n in got.tensors if n.startswith("model.layers.4.")}
+    assert mtp_tensors and "model.layers.4.eh_proj.weight" in mtp_tensors
+    assert not [n for n in plain.tensors | first.tensors if n.startswith("model.layers.4.")]
+    assert got.received > plain.received
+    assert room[1].need_bytes - room[0].need_bytes == got.received - plain.received  # asked before a plan
+    assert assigned.spec_draft_weights_bytes > 0 and assigned.spec_draft_bytes_per_block > 0
+    mine = MTPDrafter.load(resolve_model(got.folder), load_shard(resolve_model(got.folder), 2, 4, got.tensors), 2)
+    full = MTPDrafter.load(resolve_model(mtp_model), load_shard(resolve_model(mtp_model), 2, 4), 2)
+    pairs = list(zip(tree_flatten(mine.layer.parameters()), tree_flatten(full.layer.parameters())))
+    assert pairs and all(n1 == n2 and mx.array_equal(a, b) for (n1, a), (n2, b) in pairs)
+
+
+def _assign_fetching_last_stage(running, cache) -> "pb.AssignResponse":
+    """A worker's last stage assigned with MTP from the store, as `up` assigns a remote one."""
+    from metal_cluster.proto import PROTO_VERSION, pb
+    from metal_cluster.stage_worker.host import StageHost
+
+    os.environ["METAL_CLUSTER_CACHE"] = str(cache)
+    try:
+        return StageHost(token=TOKEN).assign(pb.AssignRequest(
+            version=PROTO_VERSION, model="tiny", layer_start=2, layer_end=4, block_size=16, max_num_batched_tokens=16,
+            memory_utilization=0.05, model_store=running.address, manifest_sha256=running.manifest.sha256,
+            spec_mtp=True, spec_num_draft_tokens=2))
+    finally:
+        del os.environ["METAL_CLUSTER_CACHE"]

@@ -33,6 +33,8 @@ FAMILIES = ("llama", "qwen2", "qwen3")
 MORE_FAMILIES = ("qwen3_moe", "mixtral", "glm4_moe", "gpt_oss", "gemma3_text", "deepseek_v3")
 # Gated DeltaNet layers with a state per request (tests/test_hybrid.py).
 HYBRID_FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+# Checkpoints that may carry multi-token-prediction layers (build_tiny_model's mtp_layers).
+MTP_FAMILIES = ("deepseek_v3", "glm4_moe")
 # Vision-language checkpoints: the text model's config under text_config, its tensors under
 # model.language_model, beside a vision tower and an MTP head that no stage reads.
 NESTED_FAMILIES = ("qwen3_5", "qwen3_5_moe")
@@ -137,6 +139,32 @@ def _family_config(family: str, num_layers: int, sliding_window: int | None) -> 
 
 _QWEN3_NEXT_OFFSET_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
                             ".q_norm.weight", ".k_norm.weight")
+
+
+def _mtp_weights(arch, config: dict, weights: dict, seed: int, n: int) -> dict:
+    """MTP layers as DeepSeek V3's and GLM-4.5's checkpoints name them, `model.layers.{N + i}.*`
+    after the N decoder layers: enorm and hnorm (of the next token's embedding and of the target's
+    hidden state), eh_proj [hidden, 2 * hidden] mixing the two, one decoder layer (MoE, as past
+    first_k_dense_replace), and shared_head (norm, head) with a copy of the embedding, as V3 has."""
+    layer_class = getattr(arch, "DeepseekV3DecoderLayer", None) or arch.DecoderLayer
+    args = arch.ModelArgs.from_dict(config)
+    first, hidden = config["num_hidden_layers"], config["hidden_size"]
+    # Norm gains away from one, the target's final norm's too: an MTP layer reads the target's
+    # hidden state after that norm, and with gains of one a norm of a norm is the norm alone.
+    gains = np.random.default_rng([seed, 8])
+    out = {"model.norm.weight": mx.array(gains.uniform(0.5, 1.5, hidden).astype(np.float32))}
+    for i in range(first, first + n):
+        prefix = f"model.layers.{i}."
+        block = _init_weights(layer_class(args, i), seed + 1000 + i)
+        out.update({prefix + name: w for name, w in block.items()})
+        rng = np.random.default_rng([seed, i, 7])
+        out[prefix + "eh_proj.weight"] = mx.array(
+            (LINEAR_GAIN / np.sqrt(2 * hidden)) * rng.standard_normal((hidden, 2 * hidden), np.float32))
+        for norm in ("enorm", "hnorm", "shared_head.norm"):
+            out[prefix + norm + ".weight"] = mx.array(gains.uniform(0.5, 1.5, hidden).astype(np.float32))
+        out[prefix + "embed_tokens.weight"] = weights["model.embed_tokens.weight"]
+        out[prefix + "shared_head.head.weight"] = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    return out
 
 
 def _hf_expert_names(family: str, weights: dict) -> dict:
@@ -415,11 +443,13 @@ def build_tiny_model(family: str, out_dir: Path, *, num_layers: int = 4, hidden_
                      intermediate_size: int = 128, num_heads: int = 4, num_kv_heads: int = 2,
                      head_dim: int | None = None, tie_word_embeddings: bool | None = None,
                      sliding_window: int | None = None, seed: int = 0, dtype: str = "float32",
-                     config_overrides: dict | None = None) -> Path:
+                     config_overrides: dict | None = None, mtp_layers: int = 0) -> Path:
     """Write a tiny random model of `family` into `out_dir` (created) and return it.
 
     `dtype` is the checkpoint's dtype name (a key of DTYPES): the float32 draws rounded to it.
     `config_overrides` replace config.json keys (e.g. which layers are dense).
+    `mtp_layers` (deepseek_v3, glm4_moe): multi-token-prediction layers after the decoder layers, as
+    DeepSeek V3 and GLM-4.5 ship them (`num_nextn_predict_layers`; `_mtp_weights`).
     """
     if family not in FAMILIES + MORE_FAMILIES + HYBRID_FAMILIES:
         raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES + MORE_FAMILIES + HYBRID_FAMILIES}")
@@ -446,6 +476,10 @@ def build_tiny_model(family: str, out_dir: Path, *, num_layers: int = 4, hidden_
         vocab_size=tok.get_vocab_size(with_added_tokens=True), bos_id=bos_id, eos_id=eos_id, dtype=dtype,
     )
     config.update(config_overrides or {})
+    if mtp_layers:
+        if family not in MTP_FAMILIES:
+            raise ValueError(f"mtp_layers: only {MTP_FAMILIES} fixtures carry multi-token-prediction layers")
+        config["num_nextn_predict_layers"] = mtp_layers
     if family in NESTED_FAMILIES:
         config = _nest_text_config(family, config)
 
@@ -455,6 +489,8 @@ def build_tiny_model(family: str, out_dir: Path, *, num_layers: int = 4, hidden_
     arch = importlib.import_module(f"mlx_lm.models.{family}")
     model = arch.Model(arch.ModelArgs.from_dict(config))
     weights = _init_weights(model, seed, gain_of_one=0.0 if family == "gemma3_text" else 1.0)
+    if mtp_layers:
+        weights.update(_mtp_weights(arch, config, weights, seed, mtp_layers))
     weights = {name: w.astype(DTYPES[dtype]) for name, w in _hf_expert_names(family, weights).items()}
     mx.save_safetensors(str(out_dir / "model.safetensors"), weights, metadata={"format": "mlx"})
 

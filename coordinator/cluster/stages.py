@@ -209,10 +209,12 @@ class RemoteStage:
 
 @dataclass(frozen=True)
 class DraftAssignment:
-    """Speculative decoding's draft model, for the last stage to load beside its layers."""
+    """Speculative decoding's draft model (or the checkpoint's MTP layers), for the last stage to
+    load beside its layers."""
 
-    model: str  # a path on the last stage's host
+    model: str  # a path on the last stage's host ("" for MTP layers: they are the target's)
     num_tokens: int  # drafts per request and step
+    mtp: bool = False
 
 
 class Pipeline:
@@ -239,6 +241,7 @@ class Pipeline:
         ]
         if draft is not None:  # the last stage verifies, so it drafts
             reqs[-1].spec_draft_model, reqs[-1].spec_num_draft_tokens = draft.model, draft.num_tokens
+            reqs[-1].spec_mtp = draft.mtp
         return list(self.pool.map(lambda sr: sr[0].assign(sr[1]), zip(self.stages, reqs)))
 
     def start(self, num_blocks: int, ring_hosts: list[str], ring_timeout_s: float = 60, wire: str = "",

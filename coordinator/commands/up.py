@@ -123,15 +123,17 @@ def show_plan(stages: list[StagePlan], console: Console) -> None:
 
 
 def leave_out_hosts_without_room(stages: list[StagePlan], hosts: list[Host], replan, store, token: str,
-                                 console: Console) -> list[StagePlan]:
-    """Ask each worker of the plan whether its cache can hold its layers' weights; plan again
-    (`replan(hosts)`) without those that cannot, until all can. Each round leaves one out at least,
-    so it ends: with a plan, or with the PlacementError of hosts too few to hold the model."""
+                                 console: Console, mtp: bool = False) -> list[StagePlan]:
+    """Ask each worker of the plan whether its cache can hold its layers' weights (the last one's
+    with the checkpoint's MTP layers, for `mtp`); plan again (`replan(hosts)`) without those that
+    cannot, until all can. Each round leaves one out at least, so it ends: with a plan, or with the
+    PlacementError of hosts too few to hold the model."""
     while True:
         remote = [s for s in stages if not s.host.local]
+        last = stages[-1]
         with ThreadPoolExecutor(max_workers=max(1, len(remote))) as pool:
             refusals = dict(zip((s.host.grpc_address for s in remote),
-                                pool.map(lambda s: _room_refusal(s, store, token), remote)))
+                                pool.map(lambda s: _room_refusal(s, store, token, mtp and s is last), remote)))
         refused = {address: why for address, why in refusals.items() if why}
         if not refused:
             return stages
@@ -142,13 +144,13 @@ def leave_out_hosts_without_room(stages: list[StagePlan], hosts: list[Host], rep
         show_plan(stages, console)
 
 
-def _room_refusal(stage: StagePlan, store, token: str) -> str:
+def _room_refusal(stage: StagePlan, store, token: str, mtp: bool = False) -> str:
     """Why the stage's host cannot hold its layers ("" if it can)."""
     remote = RemoteStage(stage.host.grpc_address, token=token)
     try:
         return remote.weights_room(pb.WeightsRoomRequest(
             version=PROTO_VERSION, model_store=store.address, manifest_sha256=store.manifest.sha256,
-            layer_start=stage.start, layer_end=stage.end)).refusal
+            layer_start=stage.start, layer_end=stage.end, spec_mtp=mtp)).refusal
     except StageCallError as e:
         return f"cannot fetch its layers from this coordinator: {e}"
     finally:

@@ -109,8 +109,9 @@ class ClusterExecutor(Executor):
                      stage.name, a, b, r.weights_bytes / 2**30, r.activation_bytes / 2**30, r.kv_budget_bytes / 2**30)
         if self.draft is not None:
             r = self.assigned[-1]
-            log.info("draft model %s on stage %s: %.2f GiB weights, %.1f KiB KV per token, %d drafts per step",
-                     os.path.basename(self.draft.model), self.pipeline.stages[-1].name,
+            log.info("%s on stage %s: %.2f GiB weights, %.1f KiB KV per token, %d drafts per step",
+                     "MTP layers" if self.draft.mtp else f"draft model {os.path.basename(self.draft.model)}",
+                     self.pipeline.stages[-1].name,
                      r.spec_draft_weights_bytes / 2**30,
                      r.spec_draft_bytes_per_block / self.cache_config.block_size / 1024, self.draft.num_tokens)
         self.translator = StepTranslator(stage_keeps_tokens=len(self.pipeline) == 1,
@@ -137,6 +138,8 @@ class ClusterExecutor(Executor):
         the last stage's host (weights travel does not carry it yet: a remote last stage needs it at
         the same path)."""
         spec = self.vllm_config.speculative_config
+        if spec is not None and spec.method == "mtp":  # the checkpoint's own MTP layers
+            return DraftAssignment("", spec.num_speculative_tokens, mtp=True)
         if spec is None or spec.method != "draft_model":
             return None
         return DraftAssignment(spec.model, spec.num_speculative_tokens)

@@ -1,6 +1,6 @@
-"""A draft model's drafts (vLLM's `draft_model` method), as the scheduler takes them: the draft
-model runs on the last stage (stage_worker/step/draft.py) and its drafts come back in the output of the
-step they extend (`StepResponse.spec_drafts`), so under pipeline parallelism too they always follow
+"""A draft model's drafts (vLLM's `draft_model` method) or MTP layers' (`mtp`), as the scheduler
+takes them: both run on the last stage (stage_worker/step/draft.py, mtp.py) and their drafts come back
+in the output of the step they extend (`StepResponse.spec_drafts`), so under pipeline parallelism too they always follow
 the history they were made from, as n-gram drafts do (cluster_scheduler.py)."""
 
 from dataclasses import dataclass
@@ -17,7 +17,7 @@ class ModelDrafter:
 
     @classmethod
     def from_config(cls, speculative_config, max_model_len: int) -> "ModelDrafter | None":
-        if speculative_config is None or speculative_config.method != "draft_model":
+        if speculative_config is None or speculative_config.method not in ("draft_model", "mtp"):
             return None
         return cls(speculative_config.num_speculative_tokens, max_model_len)
 

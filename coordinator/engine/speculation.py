@@ -2,9 +2,10 @@
 cannot honour stops `serve` / `up` with one line naming the problem, instead of a server that
 silently does not speculate, or vLLM's tracebacks from two processes.
 
-Served: `ngram` (prompt lookup; drafts made in the scheduler, verified on the last stage) and
+Served: `ngram` (prompt lookup; drafts made in the scheduler, verified on the last stage),
 `draft_model` (a small model of the target's vocabulary, run whole on the last stage's host: a local
-folder or .gguf; stage_worker/step/draft.py).
+folder or .gguf; stage_worker/step/draft.py) and `mtp` (the checkpoint's own multi-token-prediction
+layers, on the last stage; stage_worker/step/mtp.py).
 """
 
 import json
@@ -13,7 +14,7 @@ from pathlib import Path
 from metal_cluster.stage_worker.model.model_source import text_config
 
 FLAG = "--speculative-config"
-SERVED = ("ngram", "draft_model")
+SERVED = ("ngram", "draft_model", "mtp")
 
 
 def flag_value(args: list[str]) -> str | None:
@@ -42,8 +43,9 @@ def problem(args: list[str], model_folder: Path) -> str | None:
     target = _config(model_folder)
     if method not in SERVED:
         return (f"{FLAG}: method {method!r} is not served by metal-cluster; use \"ngram\" (prompt lookup, "
-                "with num_speculative_tokens and optionally prompt_lookup_min/max) or \"draft_model\" (with "
-                "\"model\", a small model of the same tokenizer)")
+                "with num_speculative_tokens and optionally prompt_lookup_min/max), \"draft_model\" (with "
+                "\"model\", a small model of the same tokenizer) or \"mtp\" (a checkpoint's multi-token-prediction "
+                "layers)")
     k = config.get("num_speculative_tokens")
     if not isinstance(k, int) or k < 1:
         return f"{FLAG}: \"{method}\" needs num_speculative_tokens, a whole number >= 1 (how many tokens to guess)"
@@ -51,7 +53,21 @@ def problem(args: list[str], model_folder: Path) -> str | None:
         bad = _draft_problem(config, target, model_folder)
         if bad:
             return bad
+    if method == "mtp":
+        bad = _mtp_problem(target, model_folder)
+        if bad:
+            return bad
     return _model_problem(target, model_folder)
+
+
+def method(args: list[str]) -> str | None:
+    """The speculative method vLLM's arguments ask for (None: none, or a config `problem` refuses)."""
+    raw = flag_value(args)
+    try:
+        config = json.loads(raw) if raw is not None else None
+    except json.JSONDecodeError:
+        return None
+    return _method(config) if isinstance(config, dict) else None
 
 
 def with_draft_folder(args: list[str]) -> list[str]:
@@ -129,6 +145,33 @@ def _draft_problem(config: dict, target: dict, model_folder: Path) -> str | None
 def _vocab_problem(draft, draft_config: dict, target: dict, model_folder: Path) -> str:
     return (f"{FLAG}: the draft model {draft} has a vocabulary of {_vocab(draft_config)} tokens, "
             f"{Path(model_folder).name} has {_vocab(target)}: a draft must use the target's tokenizer")
+
+
+def _mtp_problem(target: dict, model_folder: Path) -> str | None:
+    """The checkpoint must carry MTP layers its family can run (the family file knows where)."""
+    from metal_cluster.stage_worker.families import family_of
+
+    from metal_cluster.stage_worker.errors import ModelLoadError
+    from metal_cluster.stage_worker.model.checkpoint_sizes import read_headers
+
+    try:
+        family = family_of(target, str(model_folder))
+    except Exception:
+        return None  # the model's own problem; the engine's start names it
+    name = Path(model_folder).name
+    if not family.mtp_layers(target):
+        return (f"{FLAG}: \"mtp\" needs a checkpoint with multi-token-prediction layers, and {name} "
+                f"({target.get('model_type')}) has none that metal-cluster runs (num_nextn_predict_layers of "
+                "deepseek_v3 and glm4_moe): use \"ngram\" or \"draft_model\"")
+    try:
+        stored = read_headers(Path(model_folder))
+    except ModelLoadError:
+        return None  # a damaged checkpoint: the stages' load names it
+    if not any(family.is_mtp_tensor(t, target) for t in stored):
+        return (f"{FLAG}: {name}'s config.json names multi-token-prediction layers, but its weights do not hold "
+                "them (conversions such as mlx-lm's and GGUF drop them): serve the original checkpoint for "
+                "\"mtp\", or use \"ngram\" or \"draft_model\"")
+    return None
 
 
 def _model_problem(target: dict, model_folder: Path) -> str | None:

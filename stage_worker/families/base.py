@@ -45,6 +45,26 @@ class LayerCache:
         return block_size * self.values_per_token * itemsize
 
 
+class MTPLayer(nn.Module):
+    """One multi-token-prediction layer of a checkpoint (a family file builds it; `step/mtp.py`
+    runs it): at position p it reads the target's final hidden state there and the token at p + 1,
+    and its output's logits guess the token at p + 2. Its attention meets the paged pool as the
+    family's decoder layers do (`block`, wrapped with `cache`)."""
+
+    cache: LayerCache  # what its attention keeps per token
+
+    def __call__(self, tokens: mx.array, positions: mx.array, hidden: mx.array, context) -> mx.array:
+        """[T] tokens at positions + 1, [T] positions, [T, hidden] hidden states -> its output [T, hidden]."""
+        raise NotImplementedError
+
+    def logits(self, out: mx.array) -> mx.array:
+        raise NotImplementedError
+
+    def recycle(self, out: mx.array) -> mx.array:
+        """What the next guess reads as its hidden state (the output's final norm, as vLLM recycles it)."""
+        raise NotImplementedError
+
+
 class Family:
     model_types: tuple[str, ...] = ()
     architectures: tuple[str, ...] = ()  # the names config.json gives them (vLLM resolves these)
@@ -103,3 +123,19 @@ class Family:
 
     def check_weights(self, config: dict, where) -> None:
         """Refuse a checkpoint whose config this family cannot serve (one line, naming the file)."""
+
+    # --- multi-token prediction (speculative decoding's `mtp` method) ----------------------------
+    def mtp_layers(self, config: dict) -> int:
+        """How many multi-token-prediction layers the checkpoint carries beside its decoder layers."""
+        return 0
+
+    def is_mtp_tensor(self, name: str, config: dict) -> bool:
+        """A checkpoint tensor of those layers: the target's own load leaves it out."""
+        return False
+
+    def load_mtp(self, source, config: dict) -> list[MTPLayer]:
+        """The checkpoint's MTP layers in order, their weights loaded lazily."""
+        from metal_cluster.stage_worker.errors import ModelLoadError
+
+        raise ModelLoadError(f"{source.folder}: {config.get('model_type')} checkpoints carry no "
+                             "multi-token-prediction layers metal-cluster can run")

@@ -5,7 +5,14 @@ e_score_correction_bias, routed_scaling_factor, shared experts; the first layers
 Each layer keeps one entry per token, kv_lora_rank + qk_rope_head_dim wide (576 for V3): the latent
 after kv_a_layernorm and the roped key part. That is vLLM's MLAAttentionSpec with one KV head, a
 fraction of what GQA arithmetic on 128 heads would say. Attention over it: `kernels.mla`.
+
+Its checkpoints carry `num_nextn_predict_layers` multi-token-prediction layers after the decoder
+layers, which mlx-lm's sanitize drops; `load_mtp` reads them (nextn.py) for speculative decoding's
+`mtp` method, as vLLM's DeepSeekMTP runs them.
 """
+
+import dataclasses
+from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -14,6 +21,7 @@ from mlx_lm.models import deepseek_v3
 from metal_cluster.kernels.mla import paged_mla_attention
 from metal_cluster.stage_worker.step.attention import _rope
 from metal_cluster.stage_worker.errors import ModelLoadError
+from metal_cluster.stage_worker.families import nextn
 from metal_cluster.stage_worker.families.base import Family, LayerCache
 
 
@@ -38,6 +46,24 @@ class DeepseekV3(Family):
         if missing:
             raise ModelLoadError(f"{where}: a {config.get('model_type')} config needs {', '.join(missing)}")
 
+    # --- multi-token prediction ------------------------------------------------------------------
+    def mtp_layers(self, config):
+        return nextn.layer_count(config)
+
+    def is_mtp_tensor(self, name, config):
+        return nextn.is_tensor(name, config)
+
+    def load_mtp(self, source, config):
+        if not self.mtp_layers(config):
+            return super().load_mtp(source, config)
+        args = deepseek_v3.ModelArgs.from_dict(config)
+        one = SimpleNamespace(args=dataclasses.replace(args, num_hidden_layers=1))
+        # vLLM 0.33's DeepSeek MTP feeds each further guess the output after shared_head's norm.
+        return nextn.load(source, config, block=lambda i: deepseek_v3.DeepseekV3DecoderLayer(args, i),
+                          sanitize=lambda w: deepseek_v3.Model.sanitize(one, w),
+                          cache=self.layer_caches(config)[-1], recycles_norm=True,
+                          keep_dtype=lambda k: "e_score_correction_bias" not in k)  # as mlx-lm keeps it
+
 
 class PagedLatentAttention(nn.Module):
     """mlx-lm's DeepseekV3Attention with its latent cache in the paged pool."""
@@ -60,4 +86,3 @@ class PagedLatentAttention(nn.Module):
         pool, _ = cache.pool.layer(cache.layer_index)
         out = paged_mla_attention(q_nope, q_pe, pool, cache.attn, a.scale, a.embed_q, a.unembed_out)
         return a.o_proj(out.reshape(1, tokens, -1))
-

@@ -3,11 +3,16 @@
 Routing is a pure function of each token (no capacity, no per-request state), so the packed batch
 goes through mlx-lm's SwitchGLU unchanged; only attention meets the paged pool. Qwen3-MoE's attention
 is Qwen3's; GLM-4.5's rotates part of each head (its nn.RoPE has fewer dims than the head) and
-normalises q/k only with `use_qk_norm`; Mixtral names its head counts differently.
+normalises q/k only with `use_qk_norm`; Mixtral names its head counts differently. GLM-4.5's
+checkpoints carry MTP layers as DeepSeek V3's do (nextn.py).
 """
+
+import dataclasses
+from types import SimpleNamespace
 
 from metal_cluster.stage_worker.step.attention import PagedAttention
 from metal_cluster.stage_worker.errors import ModelLoadError
+from metal_cluster.stage_worker.families import nextn
 from metal_cluster.stage_worker.families.base import Family
 
 
@@ -43,6 +48,25 @@ class Glm4Moe(Family):
 
     def check_weights(self, config, where):
         _need(config, where, "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+    def mtp_layers(self, config):
+        return nextn.layer_count(config)
+
+    def is_mtp_tensor(self, name, config):
+        return nextn.is_tensor(name, config)
+
+    def load_mtp(self, source, config):
+        from mlx_lm.models import glm4_moe
+
+        if not self.mtp_layers(config):
+            return super().load_mtp(source, config)
+        args = glm4_moe.ModelArgs.from_dict(config)
+        one = SimpleNamespace(args=dataclasses.replace(args, num_hidden_layers=1))
+        # vLLM's GLM MTP feeds each further guess its output as it is (no norm, unlike DeepSeek's).
+        return nextn.load(source, config, block=lambda i: glm4_moe.DecoderLayer(args, i),
+                          sanitize=lambda w: glm4_moe.Model.sanitize(one, w),
+                          cache=self.layer_caches(config)[-1], recycles_norm=False,
+                          keep_dtype=lambda k: "e_score_correction_bias" not in k)  # as mlx-lm keeps it
 
 
 def _need(config: dict, where, *keys: str) -> None:

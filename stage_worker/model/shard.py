@@ -71,7 +71,8 @@ def load_shard(source: ModelSource, start: int = 0, end: int | None = None,
     if not 0 <= start < end <= num_layers:
         raise ModelLoadError(f"layer range [{start}, {end}) is outside the model's {num_layers} layers")
     gpu = dtypes.on_gpu()
-    model = _load_gguf_model(source, config, start, end, gpu) if source.gguf else _load_folder_model(source)
+    model = (_load_gguf_model(source, config, start, end, gpu) if source.gguf
+             else _load_folder_model(source, family, config))
     model = family.language_model(model)
     _keep_only(family.inner(model), model, start, end, num_layers)
     if fetched is not None and not source.gguf:
@@ -88,9 +89,11 @@ def load_shard(source: ModelSource, start: int = 0, end: int | None = None,
                       caches=caches, dtype=dtype, compile_switch=switch)
 
 
-def _load_folder_model(source: ModelSource) -> nn.Module:
+def _load_folder_model(source: ModelSource, family: Family, config: dict) -> nn.Module:
     head = classifier.score_head(source.folder)
     classes = _get_classes if head is None else classifier.with_score_head(_get_classes, *head)
+    if family.mtp_layers(config):
+        classes = _without_mtp(classes, family)
     try:
         model, _ = load_model(source.folder, lazy=True, strict=True, get_model_classes=classes)
     except KeyError as e:  # mlx-lm's sanitize looks up a tensor the checkpoint does not have
@@ -98,6 +101,25 @@ def _load_folder_model(source: ModelSource) -> nn.Module:
     except (ValueError, FileNotFoundError) as e:
         raise ModelLoadError(f"cannot load weights from {source.folder}: {_one_line(e)}") from None
     return model
+
+
+def _without_mtp(get_classes, family: Family):
+    """mlx-lm's get_model_classes, its sanitize first dropping the checkpoint's multi-token-prediction
+    layers (mlx-lm drops DeepSeek V3's only as layer 61); speculative decoding loads them itself
+    (`step/mtp.py`)."""
+
+    def classes(config: dict):
+        model_class, args_class = get_classes(config=config)
+
+        class WithoutMTP(model_class):
+            def sanitize(self, weights):
+                weights = {k: v for k, v in weights.items() if not family.is_mtp_tensor(k, config)}
+                return super().sanitize(weights) if hasattr(model_class, "sanitize") else weights
+
+        WithoutMTP.__name__ = model_class.__name__
+        return WithoutMTP, args_class
+
+    return classes
 
 
 def _load_gguf_model(source: ModelSource, config: dict, start: int, end: int, gpu: bool) -> nn.Module:

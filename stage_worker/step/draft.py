@@ -81,9 +81,11 @@ class DraftModel:
         return DraftModel(self.shard, self.k, group, pool, block_size, self.weights_bytes)
 
     # --- one step ---------------------------------------------------------------------------------
-    def follow(self, table, step: pb.StepRequest, gained: dict[str, list[int]]) -> list[pb.SpecDraftTokens]:
+    def follow(self, table, step: pb.StepRequest, gained: dict[str, list[int]], batch=None,
+               hidden: mx.array | None = None) -> list[pb.SpecDraftTokens]:
         """Catch up with this step's tokens and propose the next drafts. `gained`: the tokens each
-        sampling request got this step (its accepted drafts, then its new token)."""
+        sampling request got this step (its accepted drafts, then its new token). A draft model
+        reads its own hidden states, not the target's (`batch`, `hidden`: see mtp.py)."""
         rows, last, histories = [], {}, {}
         for sched in step.scheduled:
             if sched.num_tokens == 0:
@@ -113,14 +115,14 @@ class DraftModel:
             return []
         ends = np.cumsum([len(r.tokens) for r in rows]) - 1
         states = [table[r.req_id] for r in proposing]
-        drafts = [self._choose(self.shard.logits(hidden[mx.array(ends[list(last.values())])]), states)]
+        drafts = [choose(self.shard.logits(hidden[mx.array(ends[list(last.values())])]), states)]
         for r in proposing:
             r.start, r.tokens = r.start + len(r.tokens), None  # each pass: the draft before at the next position
         for _ in range(self.k - 1):
             room = [r for r in proposing if r.start < len(r.table) * self.block_size]
             if len(room) < len(proposing):
                 break  # past a request's blocks (vLLM's lookahead always covers k; a guard, not a path)
-            drafts.append(self._choose(self.shard.logits(self._forward(proposing, drafts[-1])), states))
+            drafts.append(choose(self.shard.logits(self._forward(proposing, drafts[-1])), states))
             for r in proposing:
                 r.start += 1
         tokens = mx.stack(drafts, axis=1)
@@ -144,38 +146,45 @@ class DraftModel:
 
     def _forward(self, rows: list[Row], tokens: mx.array | None = None) -> mx.array:
         """One pass over the rows' tokens (or one device token per row): their hidden states."""
-        lengths = [1 if r.tokens is None else len(r.tokens) for r in rows]
-        positions, slots = [], []
-        for r, n in zip(rows, lengths):
-            for pos in range(r.start, r.start + n):
-                positions.append(pos)
-                slots.append(r.table[pos // self.block_size] * self.block_size + pos % self.block_size)
+        batch = paged_batch(rows, self.block_size)
         if tokens is None:
             tokens = mx.array([t for r in rows for t in r.tokens], dtype=mx.int32)
-        seq_lens = [r.start + n for r, n in zip(rows, lengths)]
-        widest = max(len(r.table) for r in rows)
-        attn = AttentionMetadata(
-            cu_seqlens_q=mx.array(np.concatenate([[0], np.cumsum(lengths)]), dtype=mx.int32),
-            seq_lens=mx.array(seq_lens, dtype=mx.int32),
-            block_tables=mx.array([r.table + [0] * (widest - len(r.table)) for r in rows], dtype=mx.int32),
-            block_size=self.block_size, query_lens_host=lengths, seq_lens_host=seq_lens)
-        batch = DraftBatch(mx.array(positions, dtype=mx.int32), [GroupTables(mx.array(slots, dtype=mx.int32), attn)])
         h = self.shard.embed(tokens)[None]
         for i, layer in enumerate(self.shard.layers):
             h = layer(h, None, LayerContext(batch, self.pool, i))
         return h[0]
 
-    @staticmethod
-    def _choose(logits: mx.array, states) -> mx.array:
-        """Greedy, within a request's allowed_token_ids (a draft outside them can never be accepted)."""
-        logits = logits.astype(mx.float32)
-        limited = [(i, t) for i, s in enumerate(states) for t in s.sampling.allowed_token_ids]
-        if limited:
-            allowed = np.zeros(logits.shape, dtype=bool)
-            rows, ids = zip(*limited)
-            allowed[list(rows), list(ids)] = True
-            for i, s in enumerate(states):
-                if not s.sampling.allowed_token_ids:
-                    allowed[i] = True
-            logits = mx.where(mx.array(allowed), logits, -mx.inf)
-        return mx.argmax(logits, axis=-1).astype(mx.int32)
+
+
+def paged_batch(rows: list[Row], block_size: int) -> DraftBatch:
+    """A pass over the rows (each its tokens, or one token when they are on the device) as the
+    paged layers read it: positions, slots in the rows' blocks, attention metadata."""
+    lengths = [1 if r.tokens is None else len(r.tokens) for r in rows]
+    positions, slots = [], []
+    for r, n in zip(rows, lengths):
+        for pos in range(r.start, r.start + n):
+            positions.append(pos)
+            slots.append(r.table[pos // block_size] * block_size + pos % block_size)
+    seq_lens = [r.start + n for r, n in zip(rows, lengths)]
+    widest = max(len(r.table) for r in rows)
+    attn = AttentionMetadata(
+        cu_seqlens_q=mx.array(np.concatenate([[0], np.cumsum(lengths)]), dtype=mx.int32),
+        seq_lens=mx.array(seq_lens, dtype=mx.int32),
+        block_tables=mx.array([r.table + [0] * (widest - len(r.table)) for r in rows], dtype=mx.int32),
+        block_size=block_size, query_lens_host=lengths, seq_lens_host=seq_lens)
+    return DraftBatch(mx.array(positions, dtype=mx.int32), [GroupTables(mx.array(slots, dtype=mx.int32), attn)])
+
+
+def choose(logits: mx.array, states) -> mx.array:
+    """Greedy, within a request's allowed_token_ids (a draft outside them can never be accepted)."""
+    logits = logits.astype(mx.float32)
+    limited = [(i, t) for i, s in enumerate(states) for t in s.sampling.allowed_token_ids]
+    if limited:
+        allowed = np.zeros(logits.shape, dtype=bool)
+        rows, ids = zip(*limited)
+        allowed[list(rows), list(ids)] = True
+        for i, s in enumerate(states):
+            if not s.sampling.allowed_token_ids:
+                allowed[i] = True
+        logits = mx.where(mx.array(allowed), logits, -mx.inf)
+    return mx.argmax(logits, axis=-1).astype(mx.int32)

@@ -17,6 +17,7 @@ from metal_cluster.stage_worker.step.attention import LayerContext
 from metal_cluster.stage_worker.step.batch import StepBatch, build_batch
 from metal_cluster.stage_worker.model import classifier
 from metal_cluster.stage_worker.step.draft import DraftModel
+from metal_cluster.stage_worker.step.mtp import MTPDrafter
 from metal_cluster.stage_worker.step.lora import LoRABank
 from metal_cluster.stage_worker.kv.paged_kv import KVPool
 from metal_cluster.stage_worker.step.request_table import PENDING, RequestTable, RequestState, StepError
@@ -58,7 +59,9 @@ class StageOutput:
     on_device: DeviceTokens | None = None  # kept tokens not read back yet: `resolve` reads them
     prompt_logprobs: list = field(default_factory=list)  # pb.PromptLogprobs of this step's prompt chunks
     pooled: dict[str, np.ndarray] = field(default_factory=dict)  # pooling requests whose prompt ended
-    spec_drafts: list = field(default_factory=list)  # pb.SpecDraftTokens: a draft model's next drafts
+    spec_drafts: list = field(default_factory=list)  # pb.SpecDraftTokens: the drafter's next drafts
+    # The last stage's layers' output (before the final norm) when it drafts: MTP layers read it.
+    last_hidden: mx.array | None = None
 
     def resolve(self) -> "StageOutput":
         if self.on_device is not None:
@@ -68,10 +71,10 @@ class StageOutput:
 
 
 class StageRunner:
-    def __init__(self, shard: ModelShard, pool: KVPool, draft: DraftModel | None = None):
+    def __init__(self, shard: ModelShard, pool: KVPool, draft: DraftModel | MTPDrafter | None = None):
         self.shard = shard
         self.pool = pool
-        self.draft = draft  # speculative decoding's draft model (the last stage only)
+        self.draft = draft  # speculative decoding's draft model or MTP layers (the last stage only)
         self.table = RequestTable(pool.num_blocks, pool.layout.windows, pool.block_size, pool.layout.recurrent)
         self.lora = LoRABank(shard.layers, shard.start, shard.dtype, shard.compile_switch)
 
@@ -105,12 +108,13 @@ class StageRunner:
     def run(self, step: pb.StepRequest, batch: StepBatch, hidden_in: mx.array | None = None) -> StageOutput:
         """Run the step's work. A stage that keeps its tokens only queues it: `StageOutput.resolve`
         waits for the tokens; every other stage has finished it when this returns. With a draft
-        model the step ends with its drafts, made from the tokens chosen (so waited for)."""
+        model or MTP layers the step ends with their drafts, made from the tokens chosen (so waited
+        for; MTP layers also read the layers' output)."""
         out = self._run(step, batch, hidden_in)
         if self.draft is not None and batch.req_ids:
             out.resolve()
             gained = {r: [a.token_id for a in out.accepted.get(r, ())] + [s.token_id] for r, s in out.sampled.items()}
-            out.spec_drafts = self.draft.follow(self.table, step, gained)
+            out.spec_drafts = self.draft.follow(self.table, step, gained, batch, out.last_hidden)
         return out
 
     def _run(self, step: pb.StepRequest, batch: StepBatch, hidden_in: mx.array | None = None) -> StageOutput:
@@ -127,6 +131,8 @@ class StageRunner:
         if not self.shard.is_last:
             out.hidden = hidden
             return out
+        if self.draft is not None:
+            out.last_hidden = hidden
         out.prompt_logprobs = self._prompt_logprobs(batch, hidden)
         if any(self.table[r].pooling for r in batch.sample_req_ids):
             out.pooled = self._pool(batch, hidden)

@@ -60,17 +60,17 @@ class Fetched:
 
 def fetch_stage(address: str, manifest_sha: str, start: int, end: int, token: str | None,
                 progress: FetchProgress | None = None, root: Path | None = None,
-                cache_limit: int = 0) -> Fetched:
+                cache_limit: int = 0, mtp: bool = False) -> Fetched:
     """`cache_limit` (bytes, 0: none): blobs of other models, least recently used first, are removed
-    to keep the cache within it."""
+    to keep the cache within it. `mtp`: a last stage fetches the checkpoint's MTP layers too."""
     root = root or cache_dir()
     with _session(address, manifest_sha, token) as (client, manifest):
         return _Fetch(client, manifest, BlobStore(root / "blobs"), root, progress or FetchProgress(),
-                      cache_limit).run(start, end)
+                      cache_limit).run(start, end, mtp)
 
 
 def weights_room(address: str, manifest_sha: str, start: int, end: int, token: str | None,
-                 root: Path | None = None, cache_limit: int = 0) -> pb.WeightsRoomResponse:
+                 root: Path | None = None, cache_limit: int = 0, mtp: bool = False) -> pb.WeightsRoomResponse:
     """Whether the cache can hold layers [start, end), asked before a plan runs: the small files are
     fetched (config.json tells which tensors those are), no weights. Short of room is an answer, not
     an error: the coordinator leaves this worker out of the plan."""
@@ -79,7 +79,7 @@ def weights_room(address: str, manifest_sha: str, start: int, end: int, token: s
         fetch = _Fetch(client, manifest, BlobStore(root / "blobs"), root, FetchProgress(), cache_limit)
         need = 0
         try:
-            wanted, _ = fetch.plan(start, end)
+            wanted, _ = fetch.plan(start, end, mtp)
             need = fetch.blobs.unrecorded_bytes(wanted.values())
             if need:  # as a fetch: one with nothing to fetch adds nothing to the cache
                 fetch.make_room(need)
@@ -169,15 +169,16 @@ class _Fetch:
         self.received = 0
         self.seconds = 0.0
 
-    def run(self, start: int, end: int) -> Fetched:
-        wanted, kept = self.plan(start, end)
+    def run(self, start: int, end: int, mtp: bool = False) -> Fetched:
+        wanted, kept = self.plan(start, end, mtp)
         self._get(wanted, f"layers [{start}, {end})")
         weights = [entry for entry, _ in wanted.values()]
         self._link(weights)
         self._write_gguf_source(weights)
         return Fetched(self.folder, kept, self.received, self.seconds)
 
-    def plan(self, start: int, end: int) -> tuple[dict[str, tuple[pb.ModelFile, list[pb.Piece]]], set[str]]:
+    def plan(self, start: int, end: int,
+             mtp: bool = False) -> tuple[dict[str, tuple[pb.ModelFile, list[pb.Piece]]], set[str]]:
         """The small files, fetched; and the pieces of the weight files the stage reads, with the
         names of its tensors."""
         small = [f for f in self.manifest.files if f.format == "other"]
@@ -192,6 +193,10 @@ class _Fetch:
         classifier = any(t.name.startswith("score.") for f in weights for t in f.tensors)
         tied = ties_embeddings(config) and not classifier
         kept = {t.name for f in weights for t in f.tensors if manifests.stage_keeps(t.name, start, end, num_layers, tied)}
+        if mtp and end == num_layers:
+            names = [t.name for f in weights for t in f.tensors]
+            own = any(manifests.mtp_keeps(n, num_layers, True) and n.endswith(".embed_tokens.weight") for n in names)
+            kept |= {n for n in names if manifests.mtp_keeps(n, num_layers, own)}
         return {f.path: (f, wanted_pieces(f, kept)) for f in weights}, kept
 
     def _get(self, wanted: dict[str, tuple[pb.ModelFile, list[pb.Piece]]], what: str) -> None:

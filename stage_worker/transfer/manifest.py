@@ -168,6 +168,17 @@ def is_embedding(name: str) -> bool:
     return name.startswith(("model.embed_tokens.", "token_embd."))
 
 
+def mtp_keeps(name: str, num_layers: int, own_embedding: bool) -> bool:
+    """Whether a last stage that runs the checkpoint's MTP layers (speculative decoding's `mtp`)
+    reads this tensor beyond its own: the layers past num_hidden_layers (DeepSeek V3's and GLM-4.5's
+    `model.layers.{N}.*`), and the embedding when they hold no copy of their own."""
+    name = text_tensor_name(name)
+    if name is None:
+        return False
+    layer = layer_of(name)
+    return (layer is not None and layer >= num_layers) or (not own_embedding and is_embedding(name))
+
+
 def stage_keeps(name: str, start: int, end: int, num_layers: int, tied: bool) -> bool:
     """Whether the stage running layers [start, end) reads this tensor: its layers, the embedding on
     the first stage (and on the last when the head is tied to it), the rest (norm, head) on the last."""

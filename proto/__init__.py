@@ -8,7 +8,7 @@ PROTO_VERSION = 8  # 2: Reset, heartbeats; 3: stage dtype, ring wire dtype, stag
 # logprobs), resumed requests' output tokens; 6: speculative drafts, LoRA and pooling, a re-plan's known
 # activation peak, WeightsRoom (a worker whose cache cannot hold its layers); 7: classify (a sequence
 # classifier's head on the last stage), a draft model on the last stage (Assign) and its drafts
-# (StepResponse.spec_drafts); 8: weights over a plaintext port (Grant, bulk_port), pieces hashed with BLAKE3, MTP layers on the
-# last stage (spec_mtp)
+# (StepResponse.spec_drafts); 8: weights over a plaintext port (Grant, bulk_port), pieces hashed with
+# BLAKE3, MTP layers on the last stage (spec_mtp)
 
 __all__ = ["pb", "PROTO_VERSION"]

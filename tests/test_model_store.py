@@ -324,11 +324,18 @@ def test_a_classifiers_last_stage_fetches_its_score_head_not_the_embedding(tmp_p
         assert n1 == n2 and mx.array_equal(a, b)
 
 
-def test_weights_come_over_the_bulk_port_and_over_tls_only_when_asked(store, model, tmp_path, caplog):
-    """The bytes of a default store cross its plaintext port; `weights_over_tls` has none; a worker
-    that cannot reach the port fetches over TLS."""
+def test_weights_come_over_the_bulk_port_and_over_tls_only_when_asked(store, model, tmp_path, caplog, monkeypatch):
+    """The bytes of a default store cross its plaintext port (by splice(2) where there is one, as on
+    Linux, else copied as on macOS); `weights_over_tls` has none; a worker that cannot reach the
+    port fetches over TLS."""
     got = fetch(store, tmp_path / "bulk-cache", 0, 4)
     assert store.manifest.bulk_port and store.sender.sent == got.received > tensor_bytes(model, 0, 4)
+    weights = next(f for f in store.manifest.files if f.format == "safetensors")
+    spliced = (tmp_path / "bulk-cache" / "blobs" / weights.sha256).read_bytes()
+    monkeypatch.delattr("os.splice", raising=False)
+    assert fetch(store, tmp_path / "copied-cache", 0, 4).received == got.received
+    assert (tmp_path / "copied-cache" / "blobs" / weights.sha256).read_bytes() == spliced
+    monkeypatch.undo()
     tls = model_store.start(resolve_model(model), "tiny", "127.0.0.1", TOKEN, weights_over_tls=True)
     try:
         assert tls.sender is None and tls.manifest.bulk_port == 0

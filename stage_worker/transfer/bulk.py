@@ -14,10 +14,15 @@ granted ranges' bytes back to back (`sendfile`: no copy through Python) and clos
 ticket's, so there is no framing. A ticket is good for one connection, within GRANT_SECONDS.
 """
 
+import contextlib
+import fcntl
 import logging
+import mmap
+import os
 import queue
 import secrets
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,7 +34,14 @@ log = logging.getLogger("metal_cluster.model_store")
 TICKET_BYTES = 32
 GRANT_SECONDS = 60.0  # a ticket not used by then is forgotten
 IO_TIMEOUT = 30.0  # a peer silent this long, mid-transfer, is gone
-CHUNK_BYTES = 4 * 2**20  # what the receiver hands on at a time: written here, hashed on another thread
+# What the receiver hands on at a time: received and written on one thread, hashed on another. Small
+# enough to still be in the CPU's cache when it is written and hashed: 4 MiB chunks ran at half the
+# rate of 256 KiB ones between two namespaces here (bench/README.md, "Weights over the model store").
+CHUNK_BYTES = 256 * 2**10
+# splice(2) copies nothing through this process, so its chunks can be bigger (fewer calls a GiB;
+# 4 MiB ran slower than 1 MiB here), through a pipe of at most 1 MiB (Linux's default cap).
+SPLICE_CHUNK_BYTES = 2**20
+PIPE_BYTES = 2**20
 
 
 @dataclass
@@ -140,24 +152,73 @@ def connect(host: str, port: int, ticket: bytes) -> socket.socket:
     return conn
 
 
-def receive(conn: socket.socket, ranges: list[tuple[int, int]],
-            buffers: Buffers) -> Iterator[tuple[int, memoryview, Callable[[], None]]]:
-    """(offset, data, release) for the granted ranges in order, in chunks of at most a buffer that
-    never straddle two ranges; `release()` gives the chunk's buffer back once it is used. Closes
-    `conn`. OSError (a TimeoutError too) when the link fails; EOFError when the store ends early."""
+def receive_into(conn: socket.socket, ranges: list[tuple[int, int]], fd: int,
+                 buffers: Buffers) -> Iterator[tuple[int, memoryview, Callable[[], None]]]:
+    """Write the granted ranges' bytes into `fd` at their offsets and yield each chunk once it is
+    written, as (offset, its bytes, release): chunks of at most CHUNK_BYTES that never straddle
+    two ranges; `release()` once the chunk is hashed. Closes `conn`. OSError (TimeoutError too)
+    when the link or the disk fails; EOFError when the store ends early.
+
+    On Linux the bytes go from the socket to the file by splice(2), without a copy through this
+    process, and are hashed from the page cache (a read-only map of the file); elsewhere they are
+    received into `buffers` and written from there."""
     with conn:
-        for offset, length in ranges:
-            at, end = offset, offset + length
-            while at < end:
-                buf = buffers.take()
-                n = min(len(buf), end - at)
-                try:
-                    _recv_into_exact(conn, buf[:n])
-                except BaseException:
-                    buffers.give(buf)
-                    raise
-                yield at, buf[:n], lambda buf=buf: buffers.give(buf)
-                at += n
+        if hasattr(os, "splice"):
+            yield from _spliced(conn, ranges, fd)
+        else:
+            yield from _copied(conn, ranges, fd, buffers)
+
+
+def _chunks(ranges: list[tuple[int, int]], size: int = CHUNK_BYTES) -> Iterator[tuple[int, int]]:
+    for offset, length in ranges:
+        for at in range(offset, offset + length, size):
+            yield at, min(size, offset + length - at)
+
+
+def _copied(conn, ranges, fd, buffers: Buffers):
+    for at, n in _chunks(ranges):
+        buf = buffers.take()
+        try:
+            view = buf[:n]
+            _recv_into_exact(conn, view)
+            _pwrite_all(fd, view, at)
+        except BaseException:
+            buffers.give(buf)
+            raise
+        yield at, view, lambda buf=buf: buffers.give(buf)
+
+
+def _spliced(conn, ranges, fd):
+    # A blocking socket with a receive timeout: splice(2) honours SO_RCVTIMEO (EAGAIN when it passes).
+    conn.settimeout(None)
+    conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(IO_TIMEOUT), 0))
+    pipe_out, pipe_in = os.pipe()
+    try:
+        with contextlib.suppress(OSError):  # a bigger pipe: fewer calls (Linux caps it, 1 MiB by default)
+            fcntl.fcntl(pipe_in, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
+        # Views of the map outlive this generator (the hasher releases them): it closes with the last.
+        mapped = memoryview(mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ))
+        for at, n in _chunks(ranges, SPLICE_CHUNK_BYTES):
+            done = 0
+            while done < n:
+                got = os.splice(conn.fileno(), pipe_in, n - done)
+                if not got:
+                    raise EOFError("the peer closed the connection early")
+                while got:
+                    moved = os.splice(pipe_out, fd, got, offset_dst=at + done)
+                    got -= moved
+                    done += moved
+            view = mapped[at:at + n]
+            yield at, view, view.release
+    finally:
+        os.close(pipe_in)
+        os.close(pipe_out)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes:

@@ -38,7 +38,8 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE),
                    ("grpc.experimental.tcp_min_read_chunk_size", 2**20),
                    ("grpc.experimental.tcp_max_read_chunk_size", 8 * 2**20)]
 BATCH_BYTES = 256 * 2**20  # pieces asked for in one Read: a cut-off stream loses little
-WRITES_AHEAD = 8  # chunks received and written, not yet hashed (4 MiB each)
+DISK_FULL = "this worker's disk filled up while fetching its layers: free space or set METAL_CLUSTER_CACHE"
+AHEAD_BYTES = 16 * 2**20  # received and written, not yet hashed
 
 
 @dataclass
@@ -110,7 +111,8 @@ class _Client:
         self.stub, self.address = stub, address
         self.read_raw = read_raw  # Read, its answers as (offset, a view of the data): chunk_wire.py
         self.bulk_port = 0  # the store's plaintext port for weights (bulk.py); 0: Read over TLS
-        self.buffers = bulk.Buffers(WRITES_AHEAD + 2)  # the hasher holds at most WRITES_AHEAD + 1
+        # The hasher holds at most AHEAD_BYTES and one chunk more; one more is being filled.
+        self.buffers = bulk.Buffers(AHEAD_BYTES // bulk.CHUNK_BYTES + 2)
 
     def manifest(self) -> pb.ManifestResponse:
         try:
@@ -121,24 +123,45 @@ class _Client:
         self.bulk_port = manifest.bulk_port
         return manifest
 
-    def read(self, manifest_sha: str, path: str, pieces: list[pb.Piece]):
-        """(offset, data, release) of the pieces in order, in chunks that never straddle two pieces;
-        `release()` once a chunk is written and hashed."""
+    def read_into(self, fd: int, manifest_sha: str, path: str, pieces: list[pb.Piece]):
+        """Write the pieces' bytes into `fd` at their offsets, and yield each chunk once written as
+        (offset, its bytes, release), in order, in chunks that never straddle two pieces; call
+        `release()` once a chunk is hashed."""
         req = pb.ReadRequest(version=PROTO_VERSION, manifest_sha256=manifest_sha, path=path,
                              pieces=[pb.Piece(offset=p.offset, length=p.length) for p in pieces])
         try:
             conn = self._bulk_connection(req)
             if conn is None:
-                for offset, data in self.read_raw(req):
-                    yield offset, data, _nothing
+                yield from self._streamed(req, fd, pieces)
                 return
         except grpc.RpcError as e:
             raise ModelLoadError(f"fetching {path} from {self.address} failed: {e.details() or e.code().name}") from None
         try:
-            yield from bulk.receive(conn, [(p.offset, p.length) for p in pieces], self.buffers)
-        except (OSError, EOFError) as e:
+            yield from bulk.receive_into(conn, [(p.offset, p.length) for p in pieces], fd, self.buffers)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise NoRoomError(DISK_FULL) from None
             raise ModelLoadError(f"fetching {path} from {self.address} (weights port {self.bulk_port}) "
                                  f"failed: {e}") from None
+        except EOFError as e:
+            raise ModelLoadError(f"fetching {path} from {self.address} (weights port {self.bulk_port}) "
+                                 f"failed: {e}") from None
+
+    def _streamed(self, req: pb.ReadRequest, fd: int, pieces: list[pb.Piece]):
+        """Read over TLS: each chunk is checked to be the next bytes asked for before it is written."""
+        ranges = iter(pieces)
+        piece, at = next(ranges), 0
+        try:
+            for offset, data in self.read_raw(req):
+                if piece is None or offset != piece.offset + at or at + len(data) > piece.length:
+                    raise ModelLoadError(f"the model store sent bytes of {req.path} out of order")
+                _write(fd, data, offset)
+                yield offset, data, _nothing
+                at += len(data)
+                if at == piece.length:
+                    piece, at = next(ranges, None), 0
+        except grpc.RpcError as e:
+            raise ModelLoadError(f"fetching {req.path} from {self.address} failed: {e.details() or e.code().name}") from None
 
     def _bulk_connection(self, req: pb.ReadRequest):
         """A connection to the store's weights port holding a ticket for `req`; None to use Read
@@ -227,39 +250,36 @@ class _Fetch:
         log.info("fetched %d bytes for %s in %.2fs (%.1f MB/s)", need, what, took, need / took / 1e6)
 
     def _read_into(self, entry: pb.ModelFile, pieces: list[pb.Piece]) -> None:
-        """Receive and write on this thread, hash on another: the socket, pwrite and the hash all
+        """Receive and write on this thread, hash on another: the socket, the write and the hash all
         release the GIL, so they overlap (writing on the hashing thread instead halved the rate:
         bench/README.md). A piece is recorded once all of it is written and matches."""
         fd = self.blobs.open_for_write(entry)
         hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch-hash")  # one: in order
-        pending = []
+        pending, ahead = [], 0  # (future, bytes) of chunks not yet hashed
         try:
             queue = iter(pieces)
             piece, h, at = next(queue), manifests.piece_hash(), 0
-            for offset, data, release in self.client.read(self.manifest.sha256, entry.path, pieces):
-                try:
-                    if piece is None or offset != piece.offset + at or at + len(data) > piece.length:
-                        raise ModelLoadError(f"the model store sent bytes of {entry.path} out of order")
-                    _write(fd, data, offset)
-                except BaseException:
-                    release()
-                    raise
-                at += len(data)
+            for offset, data, release in self.client.read_into(fd, self.manifest.sha256, entry.path, pieces):
+                n = len(data)  # before the hasher may release `data`
+                at += n  # the chunk is the next bytes of `piece`: read_into checks that
                 done = piece if at == piece.length else None
-                pending.append(hasher.submit(self._hash_chunk, entry, data, h, done, release))
-                self.received += len(data)
-                self.progress.received += len(data)
-                self.progress.done += len(data)
+                pending.append((hasher.submit(self._hash_chunk, entry, data, h, done, release), n))
+                self.received += n
+                self.progress.received += n
+                self.progress.done += n
                 if done:
                     piece, h, at = next(queue, None), manifests.piece_hash(), 0
-                while len(pending) > WRITES_AHEAD or (pending and pending[0].done()):
-                    pending.pop(0).result()
+                ahead += n
+                while ahead > AHEAD_BYTES or (pending and pending[0][0].done()):
+                    done_chunk, size = pending.pop(0)
+                    done_chunk.result()
+                    ahead -= size
             if piece is not None:
                 raise ModelLoadError(f"the model store ended {entry.path} early (at byte {piece.offset + at})")
         finally:
             hasher.shutdown(wait=True)  # what arrived is hashed and recorded, even when the stream broke
             os.close(fd)
-        for f in pending:
+        for f, _ in pending:
             f.result()
 
     def _hash_chunk(self, entry: pb.ModelFile, data: memoryview, h, piece: pb.Piece | None, release) -> None:
@@ -371,6 +391,5 @@ def _write(fd: int, data: memoryview, offset: int) -> None:
             view, offset = view[n:], offset + n
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            raise NoRoomError("this worker's disk filled up while fetching its layers: free space or set "
-                                 "METAL_CLUSTER_CACHE") from None
+            raise NoRoomError(DISK_FULL) from None
         raise

@@ -74,7 +74,7 @@ def main():
                 worker(ns, ip, model, work / f"cache-{ip}", work / f"worker-{ip}.log")
             peers = f"{ip_b}:7760,{ip_c}:7760"
             # The coordinator's manifest is hashed on the first run only: warm it, so both runs compare fetches.
-            subprocess.run([sys.executable, "-c", "import sys; from metal_cluster.coordinator import model_store; "
+            subprocess.run([sys.executable, "-c", "import sys; from metal_cluster.coordinator.cluster import model_store; "
                             "from metal_cluster.stage_worker.transfer.manifest import build; "
                             "from metal_cluster.stage_worker.model.model_source import resolve_model; "
                             "build(resolve_model(sys.argv[1]), 'm')", str(model)], check=True)

@@ -64,10 +64,7 @@ class KVPool:
     def read_state(self, i: int, rows) -> tuple[mx.array, mx.array]:
         """Recurrent layer i's states at block ids `rows` ([B, ...] each; a `StateRows` zeroes
         those of requests starting fresh)."""
-        conv, recurrent = self.state(i)
-        fresh = rows.fresh
-        return (mx.where(fresh[:, None, None], 0, conv[rows.read]),
-                mx.where(fresh[:, None, None, None], 0, recurrent[rows.read]))
+        return state_rows(*self.state(i), rows.read, rows.fresh)
 
     def write_state(self, i: int, rows: mx.array, conv: mx.array, recurrent: mx.array) -> None:
         a = self.layout.arrays[i]
@@ -105,6 +102,12 @@ class KVPool:
                         pool[rows_dst] = pool[rows_src]
                     else:
                         pool[dst] = pool[src]
+
+
+def state_rows(conv: mx.array, recurrent: mx.array, read: mx.array, fresh: mx.array) -> tuple[mx.array, mx.array]:
+    """Rows `read` of a recurrent layer's state arrays, zeros for the requests starting fresh."""
+    return (mx.where(fresh[:, None, None], 0, conv[read]),
+            mx.where(fresh[:, None, None, None], 0, recurrent[read]))
 
 
 def array_kinds(caches, layout: KVLayout) -> list:

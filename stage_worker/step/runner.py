@@ -15,6 +15,7 @@ import numpy as np
 from metal_cluster.proto import pb
 from metal_cluster.stage_worker.step.attention import LayerContext
 from metal_cluster.stage_worker.step.batch import StepBatch, build_batch
+from metal_cluster.stage_worker.step.decode_chain import DecodeChain
 from metal_cluster.stage_worker.model import classifier
 from metal_cluster.stage_worker.step.draft import DraftModel
 from metal_cluster.stage_worker.step.mtp import MTPDrafter
@@ -26,7 +27,7 @@ from metal_cluster.stage_worker.step.sampler import (
 )
 from metal_cluster.stage_worker.model.shard import ModelShard
 
-# Decode steps run the layers' pure parts through mx.compile (`compiled.py`); 0 turns that off.
+# Decode steps run the layers' pure parts through mx.compile (`compiled.py`, `decode_chain.py`); 0 turns that off.
 COMPILE = os.environ.get("METAL_CLUSTER_COMPILE", "1") != "0"
 
 
@@ -77,6 +78,7 @@ class StageRunner:
         self.draft = draft  # speculative decoding's draft model or MTP layers (the last stage only)
         self.table = RequestTable(pool.num_blocks, pool.layout.windows, pool.block_size, pool.layout.recurrent)
         self.lora = LoRABank(shard.layers, shard.start, shard.dtype, shard.compile_switch)
+        self.chain = DecodeChain(shard.layers, shard.compile_switch)  # decode steps' compiled path
 
     def step(self, step: pb.StepRequest, hidden_in: mx.array | None = None) -> StageOutput:
         """prepare + run, waited for."""
@@ -303,6 +305,8 @@ class StageRunner:
         switch = self.shard.compile_switch
         switch.on, switch.inputs = COMPILE and batch.is_decode, self.lora.step_inputs()
         try:
+            if switch.on:
+                return self.chain(h, batch, self.pool)[0]
             for i, layer in enumerate(self.shard.layers):
                 h = layer(h, None, LayerContext(batch, self.pool, i))
         finally:

@@ -9,9 +9,12 @@ A graph is counted with `mx.export_to_dot`: every primitive node (a fused `Compi
 counts as one) reachable from the step's outputs and not evaluated yet. Steps run one at a time and
 everything they wrote is evaluated before the next is built, so each step counts its own ops only.
 
-`attention`: the nodes inside the paged attention calls (beyond their inputs). On MLX's CPU backend
-that is the reference's gathers and SDPA; on a GPU the kernel is one node (two with a split-KV
-reduce), so `nodes - attention + attention calls` is what the same step is on a GPU.
+Columns: the step's nodes; its compiled calls and the nodes they made (what MLX replays from a
+trace, no Python); the nodes inside the paged attention calls; the others, built op by op in
+Python (the nodes less those two). On MLX's CPU backend attention is the reference's gathers and
+SDPA, and the fast ops (RMSNorm, RoPE, SDPA) are their fallbacks' several primitives; on a GPU the
+attention kernel is one node (two with a split-KV reduce), so `nodes - attention + attention
+calls` is nearer what the same step is on a GPU.
 
   python3 bench/graph_ops.py FOLDER [FOLDER ...] [--steps 4] [--as-gpu] [--mlx-lm] [--compile on|off|both]
 """
@@ -74,16 +77,18 @@ def gpu_dtypes():
         dtypes.on_gpu = original
 
 
+def _nodes(arrays) -> int:
+    return sum(graph_ops(arrays).values())
+
+
 class Counts:
-    """What one step built: its graph's nodes, compiled calls and attention's own nodes."""
+    """What one step built: compiled calls and the nodes they made, attention's calls and nodes."""
 
     def __init__(self):
-        self.compiled_calls = 0
-        self.attention_calls = 0
-        self.attention = 0
+        self.reset()
 
     def reset(self):
-        self.compiled_calls = self.attention_calls = self.attention = 0
+        self.compiled_calls = self.traced = self.attention_calls = self.attention = 0
 
 
 @contextlib.contextmanager
@@ -99,7 +104,9 @@ def counting(counts: Counts):
 
         def call(*a):
             counts.compiled_calls += 1
-            return traced(*a)
+            out = traced(*a)
+            counts.traced += _nodes(out) - _nodes(a)
+            return out
         return call
 
     real_attention = attention.paged_attention
@@ -108,7 +115,7 @@ def counting(counts: Counts):
         out = real_attention(q, k_pool, v_pool, *args, **kwargs)
         counts.attention_calls += 1
         inputs = [q, k_pool, v_pool] + [kwargs["sinks"]] * (kwargs.get("sinks") is not None)
-        counts.attention += sum(graph_ops(out).values()) - sum(graph_ops(inputs).values())
+        counts.attention += _nodes(out) - _nodes(inputs)
         return out
 
     original_mx = compiled.mx
@@ -140,7 +147,7 @@ def stage_ops(host, steps: int = 4, warm: int = 2) -> dict:
 
     runner = host.runner
     counts = Counts()
-    seen: list[tuple[Counter, int, int, int]] = []
+    seen: list[tuple[Counter, int, int, int, int]] = []
     original_async_eval = runner_module.mx.async_eval
 
     class _Mx:  # the runner's view of mx: async_eval counts the graph it is given first
@@ -150,7 +157,7 @@ def stage_ops(host, steps: int = 4, warm: int = 2) -> dict:
         @staticmethod
         def async_eval(*arrays):
             ops = graph_ops(list(arrays) + runner.pool.arrays)
-            seen.append((ops, counts.compiled_calls, counts.attention, counts.attention_calls))
+            seen.append((ops, counts.compiled_calls, counts.traced, counts.attention, counts.attention_calls))
             original_async_eval(*arrays, *runner.pool.arrays)
 
     next_id = [host.next_step]
@@ -179,10 +186,10 @@ def stage_ops(host, steps: int = 4, warm: int = 2) -> dict:
     finally:
         runner_module.mx = real_mx
     seen = seen[:steps]
-    ops, calls, attn, attn_calls = sorted(seen, key=lambda s: sum(s[0].values()))[len(seen) // 2]
+    ops, calls, traced, attn, attn_calls = sorted(seen, key=lambda s: sum(s[0].values()))[len(seen) // 2]
     total = sum(ops.values())
-    return dict(nodes=total, compiled_calls=calls, attention=attn, attention_calls=attn_calls,
-                gpu_nodes=total - attn + attn_calls, by_primitive=dict(ops.most_common()))
+    return dict(nodes=total, compiled_calls=calls, traced=traced, outside=total - traced - attn, attention=attn,
+                attention_calls=attn_calls, gpu_nodes=total - attn + attn_calls, by_primitive=dict(ops.most_common()))
 
 
 def mlx_lm_ops(folder: Path, steps: int = 4, warm: int = 2, as_gpu: bool = False) -> dict:
@@ -234,22 +241,23 @@ def main():
     from metal_cluster.stage_worker.step import runner as runner_module
 
     print(f"device: {mx.default_device()}; as on a GPU: {args.as_gpu}")
-    print("| model | loop | nodes per step | compiled calls | attention nodes (calls) | nodes with a 1-node kernel |")
-    print("|---|---|---:|---:|---:|---:|")
+    print("| model | loop | nodes per step | compiled calls | nodes from them | attention nodes (calls) | other nodes | "
+          "nodes with a 1-node kernel |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for folder in args.folders:
         rows = []
         if args.mlx_lm:
             r = mlx_lm_ops(folder, args.steps, as_gpu=args.as_gpu)
             rows.append(("mlx-lm", r))
-            print(f"| {folder.name} | mlx-lm | {r['nodes']} | - | - | - |", flush=True)
+            print(f"| {folder.name} | mlx-lm | {r['nodes']} | - | - | - | - | - |", flush=True)
         with gpu_dtypes() if args.as_gpu else contextlib.nullcontext():
             host = build_host(folder)
         for compiled in {"on": (True,), "off": (False,), "both": (False, True)}[args.compile]:
             runner_module.COMPILE = compiled
             r = stage_ops(host, args.steps)
             rows.append(("ours, " + ("compiled" if compiled else "not compiled"), r))
-            print(f"| {folder.name} | {rows[-1][0]} | {r['nodes']} | {r['compiled_calls']} | "
-                  f"{r['attention']} ({r['attention_calls']}) | {r['gpu_nodes']} |", flush=True)
+            print(f"| {folder.name} | {rows[-1][0]} | {r['nodes']} | {r['compiled_calls']} | {r['traced']} | "
+                  f"{r['attention']} ({r['attention_calls']}) | {r['outside']} | {r['gpu_nodes']} |", flush=True)
         if args.by_primitive:
             for label, r in rows:
                 print(f"  {folder.name}, {label}: {r['by_primitive']}")

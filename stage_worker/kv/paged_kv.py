@@ -79,6 +79,12 @@ class KVPool:
         v = self.values[a]
         return self._blocks(self.keys[a]), None if v is None else self._blocks(v)
 
+    def flat(self, i: int) -> tuple[mx.array, mx.array | None]:
+        """Layer i's K and V as stored, [num_blocks * block_size, kv_heads, head_dim]: what the
+        paged attention kernels read, with no view to build per layer and step."""
+        a = self.layout.arrays[i]
+        return self.keys[a], self.values[a]
+
     def _blocks(self, flat):
         return flat.reshape(-1, self.block_size, *flat.shape[1:])
 

@@ -69,7 +69,7 @@ class PagedAttention(SplitMixer):
         """K/V into the pool, paged attention over it."""
         a = self.inner
         cache.pool.write(cache.layer_index, cache.slots, k, v)
-        k_pool, v_pool = cache.pool.layer(cache.layer_index)
+        k_pool, v_pool = cache.pool.flat(cache.layer_index)
         sinks = a.sinks if self.has_sinks else None
         return paged_attention(q, k_pool, v_pool, cache.attn, self.scale, self.sliding_window, sinks=sinks)
 

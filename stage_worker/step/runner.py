@@ -141,7 +141,8 @@ class StageRunner:
         if not batch.sample_req_ids:
             mx.async_eval(hidden)  # a prompt chunk that samples nothing still writes its KV
             return out
-        logits = self.shard.logits(hidden[batch.logits_rows])
+        every_row = len(batch.sample_req_ids) == len(batch.req_ids) == hidden.shape[0]  # a decode step, no drafts
+        logits = self.shard.logits(hidden if every_row else hidden[batch.logits_rows])
         if any(needs_history(self.table[r].sampling) for r in batch.sample_req_ids):
             self._read_back_kept()  # penalties and bad words look at the real token history
         if any(batch.drafts):
@@ -300,19 +301,19 @@ class StageRunner:
                 got = None if hidden_in is None else hidden_in.shape[0]
                 raise StepError(f"step {batch.req_ids[:1]}: expected hidden states for {batch.token_ids.shape[0]} tokens, got {got}")
             h = hidden_in
-        h = h[None]
+        h = h.reshape(1, *h.shape)  # one packed row (a reshape is one node; h[None] and h[0] two)
         self.lora.activate(batch.lora_slots)  # read by the adapted modules while the graph is built
         switch = self.shard.compile_switch
         switch.on, switch.inputs = COMPILE and batch.is_decode, self.lora.step_inputs()
         try:
             if switch.on:
-                return self.chain(h, batch, self.pool)[0]
+                return self.chain(h, batch, self.pool).reshape(h.shape[1:])
             for i, layer in enumerate(self.shard.layers):
                 h = layer(h, None, LayerContext(batch, self.pool, i))
         finally:
             self.lora.activate(None)
             switch.on, switch.inputs = False, ()
-        return h[0]
+        return h.reshape(h.shape[1:])
 
 
 def _grammar_rows(step: pb.StepRequest) -> dict[str, np.ndarray]:

@@ -47,23 +47,21 @@ class PagedAttention(SplitMixer):
         attended, = parts
         return self.inner.o_proj(attended.reshape(1, attended.shape[0], -1))  # one packed row, as x came
 
-    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: LayerContext) -> mx.array:
-        """The packed batch's projected queries, keys and values -> [total_q, heads, head_dim]:
-        norms, RoPE, K/V into the pool, paged attention over it."""
-        return self.attend_prepared(*self.prepare(q, k, v, cache.batch.positions), cache)
-
     def prepare(self, q: mx.array, k: mx.array, v: mx.array, positions: mx.array):
-        """Projections -> per-head queries, keys and values, normed and roped."""
+        """Projections -> per-head queries, keys and values [T, heads, D], normed and roped."""
         a = self.inner
         tokens = positions.shape[0]
-        q = q.reshape(tokens, self.n_heads, -1)
-        k = k.reshape(tokens, self.n_kv_heads, -1)
+        # Each token is its own batch row of length 1 ([T, heads, 1, D]), so RoPE takes a per-token
+        # offset array; shaped so from the projection on, which costs no extra op.
+        q = q.reshape(tokens, self.n_heads, 1, -1)
+        k = k.reshape(tokens, self.n_kv_heads, 1, -1)
         v = v.reshape(tokens, self.n_kv_heads, -1)
         if hasattr(a, "q_norm"):
             q = a.q_norm(q)
         if hasattr(a, "k_norm"):
             k = a.k_norm(k)
-        return _rope(a.rope, q, positions), _rope(a.rope, k, positions), v
+        q, k = a.rope(q, offset=positions), a.rope(k, offset=positions)
+        return q.reshape(tokens, self.n_heads, -1), k.reshape(tokens, self.n_kv_heads, -1), v
 
     def attend_prepared(self, q: mx.array, k: mx.array, v: mx.array, cache: LayerContext) -> mx.array:
         """K/V into the pool, paged attention over it."""

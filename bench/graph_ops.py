@@ -25,7 +25,6 @@ import io
 import json
 import re
 import sys
-import types
 from collections import Counter
 from pathlib import Path
 
@@ -93,21 +92,18 @@ class Counts:
 
 @contextlib.contextmanager
 def counting(counts: Counts):
-    """Count compiled calls (every trace of `stage_worker/step/compiled.py`) and paged attention's
-    own nodes while a step is built."""
+    """Count compiled calls (every `compiled.Traced` call that takes its trace) and the nodes they
+    make, and paged attention's own nodes, while a step is built."""
     from metal_cluster.stage_worker.step import attention, compiled
 
-    real_compile = compiled.mx.compile
+    real_call = compiled.Traced.__call__
 
-    def counting_compile(fn, *args, **kwargs):
-        traced = real_compile(fn, *args, **kwargs)
-
-        def call(*a):
+    def counted_call(traced, *args):
+        out = real_call(traced, *args)
+        if traced.owner.switch.on:
             counts.compiled_calls += 1
-            out = traced(*a)
-            counts.traced += _nodes(out) - _nodes(a)
-            return out
-        return call
+            counts.traced += _nodes(out) - _nodes(list(args))
+        return out
 
     real_attention = attention.paged_attention
 
@@ -118,14 +114,12 @@ def counting(counts: Counts):
         counts.attention += _nodes(out) - _nodes(inputs)
         return out
 
-    original_mx = compiled.mx
-    compiled.mx = types.SimpleNamespace(**{k: getattr(mx, k) for k in dir(mx) if not k.startswith("__")})
-    compiled.mx.compile = counting_compile
+    compiled.Traced.__call__ = counted_call
     attention.paged_attention = counted_attention
     try:
         yield
     finally:
-        compiled.mx = original_mx
+        compiled.Traced.__call__ = real_call
         attention.paged_attention = real_attention
 
 

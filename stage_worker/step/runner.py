@@ -268,6 +268,11 @@ class StageRunner:
             entry = by_source.setdefault(id(on_device), (on_device, [], []))
             entry[1].append(position)
             entry[2].append(row)
+        if len(by_source) == 1:
+            on_device, positions, rows = next(iter(by_source.values()))
+            n = batch.token_ids.shape[0]
+            if positions == rows == list(range(n)) and on_device.tokens.shape[0] == n:
+                return on_device.tokens  # all of last step's tokens, in their order: nothing to scatter
         token_ids = batch.token_ids
         for on_device, positions, rows in by_source.values():
             token_ids[mx.array(positions)] = on_device.tokens[mx.array(rows)]

@@ -6,8 +6,9 @@ of primitives in one step's graph, and of the separate mx.compile calls that mak
 cost on any machine; this module counts both, for a StageHost and for mlx-lm's own decode loop.
 
 A graph is counted with `mx.export_to_dot`: every primitive node (a fused `Compiled...` kernel
-counts as one) reachable from the step's outputs and not evaluated yet. Steps run one at a time and
-everything they wrote is evaluated before the next is built, so each step counts its own ops only.
+counts as one) reachable from the step's outputs and not evaluated yet. Each step is evaluated as soon as
+it is queued (its tokens still read back a step later, as `serve` runs one stage), so each step
+counts its own ops only.
 
 Columns: the step's nodes; its compiled calls and the nodes they made (what MLX replays from a
 trace, no Python); the nodes inside the paged attention calls; the others, built op by op in
@@ -142,7 +143,6 @@ def stage_ops(host, steps: int = 4, warm: int = 2) -> dict:
     runner = host.runner
     counts = Counts()
     seen: list[tuple[Counter, int, int, int, int]] = []
-    original_async_eval = runner_module.mx.async_eval
 
     class _Mx:  # the runner's view of mx: async_eval counts the graph it is given first
         def __getattr__(self, name):
@@ -152,7 +152,9 @@ def stage_ops(host, steps: int = 4, warm: int = 2) -> dict:
         def async_eval(*arrays):
             ops = graph_ops(list(arrays) + runner.pool.arrays)
             seen.append((ops, counts.compiled_calls, counts.traced, counts.attention, counts.attention_calls))
-            original_async_eval(*arrays, *runner.pool.arrays)
+            # Evaluated here, so the next step counts only its own ops; its tokens are still read
+            # back a step later, as under vLLM's async scheduling (the next step embeds them).
+            mx.eval(*arrays, *runner.pool.arrays)
 
     next_id = [host.next_step]
 
@@ -161,9 +163,7 @@ def stage_ops(host, steps: int = 4, warm: int = 2) -> dict:
         next_id[0] += 1
         counts.reset()
         answer = host.launch(step)
-        tokens = {s.req_id: s.token_id for s in answer().sampled}
-        mx.eval(runner.pool.arrays)  # what the step wrote but nothing read yet (recurrent states)
-        return lambda: tokens
+        return lambda: {s.req_id: s.token_id for s in answer().sampled}
 
     real_mx = runner_module.mx
     runner_module.mx = _Mx()

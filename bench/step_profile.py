@@ -207,7 +207,7 @@ def main():
 
 def print_ops(folders, with_mlx_lm: bool, compile_modes) -> None:
     """Ops per decode step, on a fresh stage per folder (so its traces are made while counted)."""
-    print("\n| model | loop | nodes per step | compiled calls | nodes from them | attention nodes (calls) | other nodes |")
+    print("\n| model | loop | nodes per step | compiled calls | nodes from them | kernel nodes (calls) | other nodes |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for folder in folders:
         if with_mlx_lm:

@@ -34,8 +34,8 @@ class DecodeChain:
     def __call__(self, h: mx.array, batch, pool) -> mx.array:
         """h [1, T, hidden] through every layer; the switch is on."""
         parts, n = None, len(self.layers)
-        for i, (layer, mixer) in enumerate(zip(self.layers, self.mixers)):
-            cache = LayerContext(batch, pool, i)
+        contexts = [LayerContext(batch, pool, i) for i in range(n)]
+        for i, (layer, mixer, cache) in enumerate(zip(self.layers, self.mixers, contexts)):
             if mixer is None:
                 h = layer(h, None, cache)
                 continue
@@ -47,7 +47,7 @@ class DecodeChain:
                 self.counts = (len(middle), 0)
                 h, parts = self.tails[i](h, *middle)[0], None
                 continue
-            reads = following.reads(LayerContext(batch, pool, i + 1))
+            reads = following.reads(contexts[i + 1])
             self.counts = (len(middle), len(reads))
             h, *parts = self.seams[i](h, *middle, batch.positions, *reads)
         return h

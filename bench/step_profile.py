@@ -7,7 +7,11 @@ back), first one step at a time (nothing overlaps), then one step ahead as under
 scheduling. The device time of a step is then about `wait` in the first mode, and a step ahead
 costs max(host, device).
 
-  python3 bench/step_profile.py FOLDER [FOLDER ...] [--steps 32] [--mlx-lm] [--compile on|off|both]
+`--ops` also counts each decode step's MLX ops (bench/graph_ops.py: the graph's primitive nodes,
+the compiled calls and the nodes they make, attention's nodes, the rest built op by op), ours and,
+with --mlx-lm, mlx-lm's on the same folder.
+
+  python3 bench/step_profile.py FOLDER [FOLDER ...] [--steps 32] [--mlx-lm] [--compile on|off|both] [--ops]
 """
 
 import argparse
@@ -19,8 +23,11 @@ from pathlib import Path
 import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from scheduler_double import SchedulerDouble  # noqa: E402
+
+import graph_ops  # noqa: E402
 
 from metal_cluster.proto import PROTO_VERSION, pb  # noqa: E402
 from metal_cluster.stage_worker.step import runner as runner_module  # noqa: E402
@@ -169,6 +176,7 @@ def main():
     parser.add_argument("--mlx-lm", action="store_true", help="also split mlx-lm's own decode loop")
     parser.add_argument("--compile", choices=tuple(COMPILE_CHOICES), default="on",
                         help="the decode step's pure parts through mx.compile (stage_worker/step/compiled.py), as serve runs them, or not, or both")
+    parser.add_argument("--ops", action="store_true", help="also count the MLX ops of a decode step (bench/graph_ops.py)")
     args = parser.parse_args()
     print(f"device: {mx.default_device()}")
     print("| model | mode | step (ms) | launch | prepare | graph | submit | wait |")
@@ -191,6 +199,27 @@ def main():
                 cells = " | ".join(f"{r.get(k, 0.0):.2f}" for k in ("launch", "prepare", "graph", "submit", "wait"))
                 label = f"{mode}, {'compiled' if compiled else 'not compiled'}"
                 print(f"| {folder.name} | {label} | {r['step_ms']:.2f} | {cells} |", flush=True)
+        del host
+        mx.clear_cache()
+    if args.ops:
+        print_ops(args.folders, args.mlx_lm, COMPILE_CHOICES[args.compile])
+
+
+def print_ops(folders, with_mlx_lm: bool, compile_modes) -> None:
+    """Ops per decode step, on a fresh stage per folder (so its traces are made while counted)."""
+    print("\n| model | loop | nodes per step | compiled calls | nodes from them | kernel nodes (calls) | other nodes |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for folder in folders:
+        if with_mlx_lm:
+            r = graph_ops.mlx_lm_ops(folder, as_gpu=mx.default_device().type == mx.DeviceType.gpu)
+            print(f"| {folder.name} | mlx-lm | {r['nodes']} | - | - | - | - |", flush=True)
+        host = build(folder, num_blocks=64)
+        for compiled in compile_modes:
+            runner_module.COMPILE = compiled
+            r = graph_ops.stage_ops(host)
+            print(f"| {folder.name} | ours, {'compiled' if compiled else 'not compiled'} | {r['nodes']} | "
+                  f"{r['compiled_calls']} | {r['traced']} | {r['attention']} ({r['attention_calls']}) | {r['outside']} |",
+                  flush=True)
         del host
         mx.clear_cache()
 

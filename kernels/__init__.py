@@ -57,11 +57,13 @@ def paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, scale: float, sl
                     v_dim: int | None = None):
     """Attention of packed queries `q` [total_q, H, D] over each request's paged context.
 
-    `k_pool`/`v_pool` are one layer's pools, [num_blocks, block_size, kv_heads, D], already holding
-    the K/V of this step's tokens. `sinks` [H]: one learned logit per head that joins each softmax
-    with no value (GPT-OSS). `v_dim` (with `v_pool` None): V is the leading v_dim values of each K
-    row, read in place (MLA's latent entries; a slice of the pool would be copied per call, since
-    the kernels take row-contiguous inputs). Returns [total_q, H, D], or [total_q, H, v_dim].
+    `k_pool`/`v_pool` are one layer's pools, [num_blocks, block_size, kv_heads, D] or flat
+    [num_blocks * block_size, kv_heads, D] (as the stage's pool keeps them: the kernels index
+    slots themselves, so only the reference needs the blocked view), already holding the K/V of
+    this step's tokens. `sinks` [H]: one learned logit per head that joins each softmax with no
+    value (GPT-OSS). `v_dim` (with `v_pool` None): V is the leading v_dim values of each K row,
+    read in place (MLA's latent entries; a slice of the pool would be copied per call, since the
+    kernels take row-contiguous inputs). Returns [total_q, H, D], or [total_q, H, v_dim].
     """
     if v_dim is not None:
         if v_pool is not None:
@@ -70,7 +72,8 @@ def paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, scale: float, sl
         raise ValueError("paged_attention: v_pool is None but no v_dim says where V is")
     backend = gpu_backend()
     if backend is None or not _fast.supports(q, k_pool, meta, v_pool, v_dim=v_dim):
-        v = k_pool[..., :v_dim] if v_dim is not None else v_pool
+        k_pool = _blocked(k_pool, meta)
+        v = k_pool[..., :v_dim] if v_dim is not None else _blocked(v_pool, meta)
         return paged_attention_reference(q, k_pool, v, meta, scale, sliding_window, sinks)
     if v_dim is not None:  # decodes only (supports says so): the decode kernel reads V in the K rows
         return _fast.paged_attention_kernel(q, k_pool, None, meta, scale, sliding_window, backend=backend, sinks=sinks,
@@ -80,14 +83,21 @@ def paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, scale: float, sl
         return _fast.paged_attention_kernel(q, k_pool, v_pool, meta, scale, sliding_window, backend=backend, sinks=sinks)
     parts, order = split
     if order is None:
-        return paged_attention_reference(q, k_pool, v_pool, meta, scale, sliding_window, sinks)
+        return paged_attention_reference(q, _blocked(k_pool, meta), _blocked(v_pool, meta), meta, scale,
+                                         sliding_window, sinks)
     outs = [
-        paged_attention_reference(q[rows], k_pool, v_pool, sub, scale, sliding_window, sinks) if kind == "large"
+        paged_attention_reference(q[rows], _blocked(k_pool, meta), _blocked(v_pool, meta), sub, scale,
+                                  sliding_window, sinks) if kind == "large"
         else _fast.paged_attention_kernel(q[rows], k_pool, v_pool, sub, scale, sliding_window, backend=backend,
                                           sinks=sinks)
         for kind, rows, sub in parts
     ]
     return mx.concatenate(outs, axis=0)[order]
+
+
+def _blocked(pool, meta: AttentionMetadata):
+    """A pool as [num_blocks, block_size, kv_heads, D] (a view of a flat one)."""
+    return pool if pool.ndim == 4 else pool.reshape(-1, meta.block_size, *pool.shape[1:])
 
 
 def _split_batch(meta: AttentionMetadata):

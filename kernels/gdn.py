@@ -89,6 +89,12 @@ def build_kernel(backend: str, dk: int, dv: int, hk: int, hv: int):
                 output_names=["y", "state_out"], source=source, header=header)
 
 
+@lru_cache(maxsize=64)
+def _t_len(t: int) -> mx.array:
+    # One small array per sequence length, not a new one per layer and step.
+    return mx.array([t], dtype=mx.int32)
+
+
 def gated_delta_kernel(q, k, v, g, beta, state, backend: str):
     """q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv]; state [B, Hv, Dv, Dk] float32.
     Returns y [B, T, Hv, Dv] (q's dtype) and the new state (float32)."""
@@ -97,7 +103,7 @@ def gated_delta_kernel(q, k, v, g, beta, state, backend: str):
     kernel = build_kernel(backend, Dk, Dv, Hk, Hv)
     return kernel(
         inputs=[q, k, v, g.astype(mx.float32), beta.astype(mx.float32), state.astype(mx.float32),
-                mx.array([T], dtype=mx.int32)],
+                _t_len(T)],
         template=[("InT", q.dtype)],
         grid=(B * Hv * Dv * LANES, 1, 1),
         threadgroup=(WARPS * LANES, 1, 1),

@@ -723,7 +723,7 @@ def supports(q, k_pool, meta: AttentionMetadata, v_pool=None, kernel_only: bool 
     """Whether the kernels take this batch: shapes they handle and, unless `kernel_only`, batches
     where they are the faster path; anything else goes to the reference. `v_dim`: V is the leading
     v_dim values of each K row (MLA's latent; `v_pool` unused), which only the decode kernel reads."""
-    head_dim, heads, kv_heads = q.shape[2], q.shape[1], k_pool.shape[2]
+    head_dim, heads, kv_heads = q.shape[2], q.shape[1], k_pool.shape[-2]
     if not (heads % kv_heads == 0 and k_pool.shape[-1] == head_dim
             and q.dtype in (mx.float32, mx.bfloat16, mx.float16) and k_pool.dtype == q.dtype):
         return False
@@ -746,7 +746,7 @@ def paged_attention_kernel(q, k_pool, v_pool, meta: AttentionMetadata, scale: fl
     """The fast path behind `metal_cluster.kernels.paged_attention` (same contract). `v_dim`: V is
     the leading v_dim values of each K row, read in place from `k_pool` (decodes only)."""
     total_q, heads, head_dim = q.shape
-    kv_heads = k_pool.shape[2]
+    kv_heads = k_pool.shape[-2]
     gqa = heads // kv_heads
     num_reqs = len(meta.seq_lens_host)
     window = sliding_window if sliding_window else 0

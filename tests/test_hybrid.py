@@ -10,7 +10,8 @@ import tiny_models
 from references import mlx_lm_greedy
 from test_families import test_stage_chain_equals_whole_model  # noqa: F401  (layer 2: the first attention layer)
 from test_runner import (PROMPTS, test_chunked_prefill_mixed_with_decodes,  # noqa: F401
-                         test_eight_requests_packed_in_one_batch, test_one_request, test_preempted_and_resumed)
+                         test_eight_requests_packed_in_one_batch, test_one_request, test_preempted_and_resumed,
+                         test_decode_steps_take_the_compiled_path_and_prompt_chunks_do_not)
 
 from metal_cluster.stage_worker.model.model_source import resolve_model
 

@@ -63,14 +63,17 @@ def test_eight_requests_packed_in_one_batch(family):
     assert len(runner.table) == 0  # finished requests leave nothing behind on the next step
 
 
-def test_decode_steps_take_the_compiled_path_and_prompt_chunks_do_not(family, monkeypatch):
-    """Pure decode batches run the layers' projections, o_proj and MLPs through mx.compile
-    (stage_worker/step/compiled.py); prompt chunks, whose shapes vary, run them directly. Both are
-    token-exact (the other tests here run both paths against mlx-lm)."""
+@pytest.mark.parametrize("compile_on", [True, False], ids=["compiled", "METAL_CLUSTER_COMPILE=0"])
+def test_decode_steps_take_the_compiled_path_and_prompt_chunks_do_not(family, monkeypatch, compile_on):
+    """Pure decode batches run each layer's block but its KV writes and attention through mx.compile,
+    one call per layer boundary (stage_worker/step/decode_chain.py); prompt chunks, whose shapes
+    vary, run the blocks directly. Both are token-exact (the other tests here run both paths
+    against mlx-lm)."""
     import types
 
-    from metal_cluster.stage_worker.step import compiled
+    from metal_cluster.stage_worker.step import compiled, runner as runner_module
 
+    monkeypatch.setattr(runner_module, "COMPILE", compile_on)  # what METAL_CLUSTER_COMPILE=0 sets
     calls = {"compiled": 0}
 
     def counting_compile(fn):
@@ -80,7 +83,7 @@ def test_decode_steps_take_the_compiled_path_and_prompt_chunks_do_not(family, mo
             calls["compiled"] += 1
             return traced(*args)
         return call
-    monkeypatch.setattr(compiled, "mx", types.SimpleNamespace(compile=counting_compile))
+    monkeypatch.setattr(compiled, "mx", types.SimpleNamespace(**{**vars(mx), "compile": counting_compile}))
     source, ref_model, prompts = family
     runner = make_runner(source)
     steps = []
@@ -98,7 +101,9 @@ def test_decode_steps_take_the_compiled_path_and_prompt_chunks_do_not(family, mo
     assert sched.run()["a"] == mlx_lm_greedy(ref_model, prompts[1], 6)
     layers = len(runner.shard.layers)
     assert steps[0] == (False, 0)  # the prompt
-    assert steps[1:] and all(s == (True, 3 * layers) for s in steps[1:])  # q/k/v, o_proj, MLP
+    # The first layer's projections, then one call from each layer's attention to the next's.
+    per_decode = layers + 1 if compile_on else 0
+    assert steps[1:] and all(s == (True, per_decode) for s in steps[1:])
 
 
 def test_chunked_prefill_mixed_with_decodes(family):

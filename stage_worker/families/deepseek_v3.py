@@ -20,6 +20,7 @@ from mlx_lm.models import deepseek_v3
 
 from metal_cluster.kernels.mla import paged_mla_attention
 from metal_cluster.stage_worker.step.attention import _rope
+from metal_cluster.stage_worker.step.compiled import SplitMixer
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.families import nextn
 from metal_cluster.stage_worker.families.base import Family, LayerCache
@@ -65,15 +66,16 @@ class DeepseekV3(Family):
                           keep_dtype=lambda k: "e_score_correction_bias" not in k)  # as mlx-lm keeps it
 
 
-class PagedLatentAttention(nn.Module):
-    """mlx-lm's DeepseekV3Attention with its latent cache in the paged pool."""
+class PagedLatentAttention(SplitMixer):
+    """mlx-lm's DeepseekV3Attention with its latent cache in the paged pool (split as
+    `compiled.SplitMixer` says: projections and RoPE; the latent write and attention; o_proj)."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner = inner
 
-    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-        a, batch = self.inner, cache.batch
+    def before(self, x, positions):
+        a = self.inner
         tokens = x.shape[1]  # x is [1, total_q, hidden]: the whole packed batch as one row
         q = a.q_proj(x) if a.q_lora_rank is None else a.q_b_proj(a.q_a_layernorm(a.q_a_proj(x)))
         q = q.reshape(tokens, a.num_heads, a.q_head_dim)
@@ -81,8 +83,16 @@ class PagedLatentAttention(nn.Module):
         compressed = a.kv_a_proj_with_mqa(x)[0]
         latent = a.kv_a_layernorm(compressed[:, : a.kv_lora_rank])
         k_pe = compressed[:, None, a.kv_lora_rank :]  # [T, 1, rope]
-        q_pe, k_pe = _rope(a.rope, q_pe, batch.positions), _rope(a.rope, k_pe, batch.positions)
-        cache.pool.write(cache.layer_index, cache.slots, mx.concatenate([latent[:, None], k_pe], axis=-1))
+        q_pe, k_pe = _rope(a.rope, q_pe, positions), _rope(a.rope, k_pe, positions)
+        return q_nope, q_pe, mx.concatenate([latent[:, None], k_pe], axis=-1)
+
+    def middle(self, parts, cache):
+        a = self.inner
+        q_nope, q_pe, entry = parts
+        cache.pool.write(cache.layer_index, cache.slots, entry)
         pool, _ = cache.pool.layer(cache.layer_index)
-        out = paged_mla_attention(q_nope, q_pe, pool, cache.attn, a.scale, a.embed_q, a.unembed_out)
-        return a.o_proj(out.reshape(1, tokens, -1))
+        return (paged_mla_attention(q_nope, q_pe, pool, cache.attn, a.scale, a.embed_q, a.unembed_out),)
+
+    def after(self, parts):
+        out, = parts
+        return self.inner.o_proj(out.reshape(1, out.shape[0], -1))

@@ -14,7 +14,9 @@ from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from metal_cluster.kernels import gated_delta
 
+from metal_cluster.stage_worker.kv.paged_kv import state_rows
 from metal_cluster.stage_worker.step.attention import PagedAttention
+from metal_cluster.stage_worker.step.compiled import SplitMixer
 from metal_cluster.stage_worker.families.base import Family, LayerCache
 
 
@@ -52,42 +54,76 @@ def is_recurrent(config: dict, layer: int) -> bool:
 class GatedPagedAttention(PagedAttention):
     """Qwen3-Next's attention: q_proj yields the queries and a gate; the output is gated by it."""
 
-    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+    def before(self, x, positions):
         a = self.inner
         tokens = x.shape[1]
         queries, gate = mx.split(a.q_proj(x).reshape(tokens, self.n_heads, -1), 2, axis=-1)
-        out = self.attend(queries, a.k_proj(x), a.v_proj(x), cache)
-        return a.o_proj(out.reshape(1, tokens, -1) * mx.sigmoid(gate.reshape(1, tokens, -1)))
+        return *self.prepare(queries, a.k_proj(x), a.v_proj(x), positions), gate
+
+    def middle(self, parts, cache):
+        *qkv, gate = parts
+        return self.attend_prepared(*qkv, cache), gate
+
+    def after(self, parts):
+        out, gate = parts
+        tokens = out.shape[0]
+        return self.inner.o_proj(out.reshape(1, tokens, -1) * mx.sigmoid(gate.reshape(1, tokens, -1)))
 
 
-class PagedGatedDeltaNet(nn.Module):
+class PagedGatedDeltaNet(SplitMixer):
     """mlx-lm's Qwen3NextGatedDeltaNet with its conv and recurrent states in the pool, read and
-    written at the rows `batch.StateRows` gives each request."""
+    written at the rows `batch.StateRows` gives each request.
+
+    A decode-only step is one call over all requests (`SplitMixer`'s parts: reading the states,
+    projections and the convolution; the recurrence and the state writes; the output norm and
+    projection); a step with prompt chunks runs each request on its own."""
 
     def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner = inner
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-        lens = cache.attn.query_lens_host
+        if self.phase is not None or all(n == 1 for n in cache.attn.query_lens_host):
+            return super().__call__(x, mask, cache)
         conv, recurrent = cache.pool.read_state(cache.layer_index, cache.state)
-        if all(n == 1 for n in lens):  # a decode-only step: one call over all requests
-            out, conv, recurrent = self._run(x[0][:, None], conv, recurrent)
-            out = out[:, 0][None]
-        else:
-            outs, convs, recurrents, begin = [], [], [], 0
-            for r, n in enumerate(lens):
-                o, c, s = self._run(x[:, begin : begin + n], conv[r : r + 1], recurrent[r : r + 1])
-                outs.append(o), convs.append(c), recurrents.append(s)
-                begin += n
-            out, conv, recurrent = mx.concatenate(outs, axis=1), mx.concatenate(convs), mx.concatenate(recurrents)
-        cache.pool.write_state(cache.layer_index, cache.state.write, conv, recurrent)
-        return out
+        outs, convs, recurrents, begin = [], [], [], 0
+        for r, n in enumerate(cache.attn.query_lens_host):
+            o, c, s = self._run(x[:, begin : begin + n], conv[r : r + 1], recurrent[r : r + 1])
+            outs.append(o), convs.append(c), recurrents.append(s)
+            begin += n
+        cache.pool.write_state(cache.layer_index, cache.state.write, mx.concatenate(convs), mx.concatenate(recurrents))
+        return mx.concatenate(outs, axis=1)
 
+    # --- the decode split: x is [1, B, hidden], one token per request --------------------------------
+    def reads(self, cache):
+        conv, recurrent = cache.pool.state(cache.layer_index)
+        return conv, recurrent, cache.state.read, cache.state.fresh
+
+    def before(self, x, positions, conv_pool, recurrent_pool, read, fresh):
+        conv, recurrent = state_rows(conv_pool, recurrent_pool, read, fresh)
+        return *self._prepare(x[0][:, None], conv), recurrent
+
+    def middle(self, parts, cache):
+        q, k, v, g, beta, z, new_conv, recurrent = parts
+        out, state = gated_delta(q, k, v, g, beta, recurrent)
+        cache.pool.write_state(cache.layer_index, cache.state.write, new_conv, state)
+        return out, z
+
+    def after(self, parts):
+        return self._finish(*parts)[:, 0][None]
+
+    # --- mlx-lm's module, step by step -----------------------------------------------------------
     def _run(self, x, conv, recurrent):
         """x: [B, S, hidden] for B requests with these states; returns the output and the new
-        states. mlx-lm's module, step by step, with the recurrence on `kernels.gated_delta`
-        (mlx-lm loops over tokens in Python on every backend but Metal)."""
+        states. The recurrence runs on `kernels.gated_delta` (mlx-lm loops over tokens in Python
+        on every backend but Metal)."""
+        q, k, v, g, beta, z, new_conv = self._prepare(x, conv)
+        out, state = gated_delta(q, k, v, g, beta, recurrent)
+        return self._finish(out, z), new_conv, state
+
+    def _prepare(self, x, conv):
+        """Projections and the causal convolution over the window `conv` -> the recurrence's
+        q, k, v, decay g and beta, the output gate z, and the new window."""
         a = self.inner
         B, S, _ = x.shape
         mixed, z, b, gate = self.project(x)
@@ -98,8 +134,12 @@ class PagedGatedDeltaNet(nn.Module):
             mx.split(conv_out, [a.key_dim, 2 * a.key_dim], -1), (a.num_k_heads, a.num_k_heads, a.num_v_heads),
             (a.head_k_dim, a.head_k_dim, a.head_v_dim)))
         q, k = normalize_qk(q, k, inv_scale=a.head_k_dim**-0.5, eps=1e-6)
-        out, state = gated_delta(q, k, v, compute_g(a.A_log, gate, a.dt_bias), mx.sigmoid(b), recurrent)
-        return a.out_proj(a.norm(out, z).reshape(B, S, -1)), new_conv, state
+        return q, k, v, compute_g(a.A_log, gate, a.dt_bias), mx.sigmoid(b), z, new_conv
+
+    def _finish(self, out, z):
+        a = self.inner
+        B, S = out.shape[:2]
+        return a.out_proj(a.norm(out, z).reshape(B, S, -1))
 
     def project(self, x):
         """x [B, S, hidden] -> the convolution's input (q, k, v side by side) [B, S, conv_dim], the

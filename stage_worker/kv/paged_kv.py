@@ -7,7 +7,7 @@ never written by a real token. With several KV cache groups, layers of different
 arrays (`kv_layout.KVLayout`): the pool holds one array per layout slot, not per layer.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
@@ -27,6 +27,8 @@ class KVPool:
     num_blocks: int
     dtype: mx.Dtype
     is_state: list[bool]  # per array of the layout
+    # A step's write indices, made once per step and update shape, not per layer (`_index`).
+    _indices: dict = field(default_factory=dict, repr=False)
 
     @classmethod
     def allocate(cls, caches, num_blocks: int, block_size: int, dtype: mx.Dtype, layout: KVLayout | None = None):
@@ -64,21 +66,24 @@ class KVPool:
     def read_state(self, i: int, rows) -> tuple[mx.array, mx.array]:
         """Recurrent layer i's states at block ids `rows` ([B, ...] each; a `StateRows` zeroes
         those of requests starting fresh)."""
-        conv, recurrent = self.state(i)
-        fresh = rows.fresh
-        return (mx.where(fresh[:, None, None], 0, conv[rows.read]),
-                mx.where(fresh[:, None, None, None], 0, recurrent[rows.read]))
+        return state_rows(*self.state(i), rows.read, rows.fresh)
 
     def write_state(self, i: int, rows: mx.array, conv: mx.array, recurrent: mx.array) -> None:
         a = self.layout.arrays[i]
-        self.keys[a][rows] = conv.astype(self.keys[a].dtype)
-        self.values[a][rows] = recurrent.astype(self.values[a].dtype)
+        self.keys[a] = self._put(self.keys[a], rows, conv)
+        self.values[a] = self._put(self.values[a], rows, recurrent)
 
     def layer(self, i: int) -> tuple[mx.array, mx.array | None]:
         """Layer i's K and V as [num_blocks, block_size, kv_heads, head_dim] views (V None: shared_kv)."""
         a = self.layout.arrays[i]
         v = self.values[a]
         return self._blocks(self.keys[a]), None if v is None else self._blocks(v)
+
+    def flat(self, i: int) -> tuple[mx.array, mx.array | None]:
+        """Layer i's K and V as stored, [num_blocks * block_size, kv_heads, head_dim]: what the
+        paged attention kernels read, with no view to build per layer and step."""
+        a = self.layout.arrays[i]
+        return self.keys[a], self.values[a]
 
     def _blocks(self, flat):
         return flat.reshape(-1, self.block_size, *flat.shape[1:])
@@ -87,9 +92,28 @@ class KVPool:
         """Store this step's K/V ([T, kv_heads, D]) at flat slots (block * block_size + offset);
         a shared_kv layer takes K only."""
         a = self.layout.arrays[layer]
-        self.keys[a][slots] = k.astype(self.keys[a].dtype)
+        self.keys[a] = self._put(self.keys[a], slots, k)
         if v is not None:
-            self.values[a][slots] = v.astype(self.values[a].dtype)
+            self.values[a] = self._put(self.values[a], slots, v)
+
+    def _put(self, pool: mx.array, rows: mx.array, update: mx.array) -> mx.array:
+        """`pool` with its rows `rows` replaced by `update`. One ScatterAxis node (done in place,
+        since nothing else holds the pool), where `pool[rows] = update` makes up to four (the
+        update squeezed, broadcast and reshaped first) in every layer of every step."""
+        return mx.put_along_axis(pool, self._index(rows, update.shape), update.astype(pool.dtype), axis=0)
+
+    def _index(self, rows: mx.array, shape: tuple[int, ...]) -> mx.array:
+        # Keyed by the rows array itself (held, so its id is not reused): the layers of a step share
+        # their group's rows, and a new step brings new arrays.
+        entry = self._indices.get(id(rows))
+        if entry is None or entry[0] is not rows:
+            if len(self._indices) > 8:
+                self._indices.clear()
+            entry = self._indices[id(rows)] = (rows, {})
+        index = entry[1].get(shape)
+        if index is None:
+            index = entry[1][shape] = mx.broadcast_to(rows.reshape(-1, *[1] * (len(shape) - 1)), shape)
+        return index
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -105,6 +129,12 @@ class KVPool:
                         pool[rows_dst] = pool[rows_src]
                     else:
                         pool[dst] = pool[src]
+
+
+def state_rows(conv: mx.array, recurrent: mx.array, read: mx.array, fresh: mx.array) -> tuple[mx.array, mx.array]:
+    """Rows `read` of a recurrent layer's state arrays, zeros for the requests starting fresh."""
+    return (mx.where(fresh[:, None, None], 0, conv[read]),
+            mx.where(fresh[:, None, None, None], 0, recurrent[read]))
 
 
 def array_kinds(caches, layout: KVLayout) -> list:

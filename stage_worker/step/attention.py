@@ -10,7 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from metal_cluster.kernels import paged_attention
-from metal_cluster.stage_worker.step.compiled import CompileSwitch, Traced
+from metal_cluster.stage_worker.step.compiled import SplitMixer
 
 
 class LayerContext:
@@ -25,7 +25,7 @@ class LayerContext:
         self.slots, self.attn, self.state = tables.slot_mapping, tables.attn, tables.state
 
 
-class PagedAttention(nn.Module):
+class PagedAttention(SplitMixer):
     def __init__(self, inner: nn.Module, n_heads: int, n_kv_heads: int, scale: float,
                  sliding_window: int | None = None, sinks: mx.array | None = None):
         super().__init__()
@@ -33,46 +33,41 @@ class PagedAttention(nn.Module):
         self.n_heads, self.n_kv_heads, self.scale = n_heads, n_kv_heads, scale
         self.sliding_window = sliding_window
         self.has_sinks = sinks is not None  # the sinks stay a parameter of `inner`
-        # Plain attributes, not entries of the module tree: the stage's switch (`compiled.attach`)
-        # and the parts around attention, through mx.compile while it is on.
-        object.__setattr__(self, "switch", CompileSwitch())
-        object.__setattr__(self, "traced_qkv", Traced(self._qkv, self))
-        object.__setattr__(self, "traced_out", Traced(self._out, self))
 
-    def __call__(self, x: mx.array, mask=None, cache: LayerContext = None) -> mx.array:
-        q, k, v = self.traced_qkv(x, cache.batch.positions)
-        return self.traced_out(self.attend_prepared(q, k, v, cache))
-
-    def _qkv(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+    # The split for the compiled decode step (`compiled.SplitMixer`): projections, norms and RoPE;
+    # K/V into the pool and attention; o_proj.
+    def before(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         a = self.inner
         return self.prepare(a.q_proj(x), a.k_proj(x), a.v_proj(x), positions)
 
-    def _out(self, attended: mx.array) -> mx.array:
+    def middle(self, parts, cache: LayerContext) -> tuple[mx.array]:
+        return (self.attend_prepared(*parts, cache),)
+
+    def after(self, parts) -> mx.array:
+        attended, = parts
         return self.inner.o_proj(attended.reshape(1, attended.shape[0], -1))  # one packed row, as x came
 
-    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: LayerContext) -> mx.array:
-        """The packed batch's projected queries, keys and values -> [total_q, heads, head_dim]:
-        norms, RoPE, K/V into the pool, paged attention over it."""
-        return self.attend_prepared(*self.prepare(q, k, v, cache.batch.positions), cache)
-
     def prepare(self, q: mx.array, k: mx.array, v: mx.array, positions: mx.array):
-        """Projections -> per-head queries, keys and values, normed and roped."""
+        """Projections -> per-head queries, keys and values [T, heads, D], normed and roped."""
         a = self.inner
         tokens = positions.shape[0]
-        q = q.reshape(tokens, self.n_heads, -1)
-        k = k.reshape(tokens, self.n_kv_heads, -1)
+        # Each token is its own batch row of length 1 ([T, heads, 1, D]), so RoPE takes a per-token
+        # offset array; shaped so from the projection on, which costs no extra op.
+        q = q.reshape(tokens, self.n_heads, 1, -1)
+        k = k.reshape(tokens, self.n_kv_heads, 1, -1)
         v = v.reshape(tokens, self.n_kv_heads, -1)
         if hasattr(a, "q_norm"):
             q = a.q_norm(q)
         if hasattr(a, "k_norm"):
             k = a.k_norm(k)
-        return _rope(a.rope, q, positions), _rope(a.rope, k, positions), v
+        q, k = a.rope(q, offset=positions), a.rope(k, offset=positions)
+        return q.reshape(tokens, self.n_heads, -1), k.reshape(tokens, self.n_kv_heads, -1), v
 
     def attend_prepared(self, q: mx.array, k: mx.array, v: mx.array, cache: LayerContext) -> mx.array:
         """K/V into the pool, paged attention over it."""
         a = self.inner
         cache.pool.write(cache.layer_index, cache.slots, k, v)
-        k_pool, v_pool = cache.pool.layer(cache.layer_index)
+        k_pool, v_pool = cache.pool.flat(cache.layer_index)
         sinks = a.sinks if self.has_sinks else None
         return paged_attention(q, k_pool, v_pool, cache.attn, self.scale, self.sliding_window, sinks=sinks)
 

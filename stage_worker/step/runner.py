@@ -15,6 +15,7 @@ import numpy as np
 from metal_cluster.proto import pb
 from metal_cluster.stage_worker.step.attention import LayerContext
 from metal_cluster.stage_worker.step.batch import StepBatch, build_batch
+from metal_cluster.stage_worker.step.decode_chain import DecodeChain
 from metal_cluster.stage_worker.model import classifier
 from metal_cluster.stage_worker.step.draft import DraftModel
 from metal_cluster.stage_worker.step.mtp import MTPDrafter
@@ -26,7 +27,7 @@ from metal_cluster.stage_worker.step.sampler import (
 )
 from metal_cluster.stage_worker.model.shard import ModelShard
 
-# Decode steps run the layers' pure parts through mx.compile (`compiled.py`); 0 turns that off.
+# Decode steps run the layers' pure parts through mx.compile (`compiled.py`, `decode_chain.py`); 0 turns that off.
 COMPILE = os.environ.get("METAL_CLUSTER_COMPILE", "1") != "0"
 
 
@@ -77,6 +78,7 @@ class StageRunner:
         self.draft = draft  # speculative decoding's draft model or MTP layers (the last stage only)
         self.table = RequestTable(pool.num_blocks, pool.layout.windows, pool.block_size, pool.layout.recurrent)
         self.lora = LoRABank(shard.layers, shard.start, shard.dtype, shard.compile_switch)
+        self.chain = DecodeChain(shard.layers, shard.compile_switch)  # decode steps' compiled path
 
     def step(self, step: pb.StepRequest, hidden_in: mx.array | None = None) -> StageOutput:
         """prepare + run, waited for."""
@@ -139,7 +141,8 @@ class StageRunner:
         if not batch.sample_req_ids:
             mx.async_eval(hidden)  # a prompt chunk that samples nothing still writes its KV
             return out
-        logits = self.shard.logits(hidden[batch.logits_rows])
+        every_row = len(batch.sample_req_ids) == len(batch.req_ids) == hidden.shape[0]  # a decode step, no drafts
+        logits = self.shard.logits(hidden if every_row else hidden[batch.logits_rows])
         if any(needs_history(self.table[r].sampling) for r in batch.sample_req_ids):
             self._read_back_kept()  # penalties and bad words look at the real token history
         if any(batch.drafts):
@@ -265,6 +268,11 @@ class StageRunner:
             entry = by_source.setdefault(id(on_device), (on_device, [], []))
             entry[1].append(position)
             entry[2].append(row)
+        if len(by_source) == 1:
+            on_device, positions, rows = next(iter(by_source.values()))
+            n = batch.token_ids.shape[0]
+            if positions == rows == list(range(n)) and on_device.tokens.shape[0] == n:
+                return on_device.tokens  # all of last step's tokens, in their order: nothing to scatter
         token_ids = batch.token_ids
         for on_device, positions, rows in by_source.values():
             token_ids[mx.array(positions)] = on_device.tokens[mx.array(rows)]
@@ -298,17 +306,19 @@ class StageRunner:
                 got = None if hidden_in is None else hidden_in.shape[0]
                 raise StepError(f"step {batch.req_ids[:1]}: expected hidden states for {batch.token_ids.shape[0]} tokens, got {got}")
             h = hidden_in
-        h = h[None]
+        h = h.reshape(1, *h.shape)  # one packed row (a reshape is one node; h[None] and h[0] two)
         self.lora.activate(batch.lora_slots)  # read by the adapted modules while the graph is built
         switch = self.shard.compile_switch
         switch.on, switch.inputs = COMPILE and batch.is_decode, self.lora.step_inputs()
         try:
+            if switch.on:
+                return self.chain(h, batch, self.pool).reshape(h.shape[1:])
             for i, layer in enumerate(self.shard.layers):
                 h = layer(h, None, LayerContext(batch, self.pool, i))
         finally:
             self.lora.activate(None)
             switch.on, switch.inputs = False, ()
-        return h[0]
+        return h.reshape(h.shape[1:])
 
 
 def _grammar_rows(step: pb.StepRequest) -> dict[str, np.ndarray]:

@@ -11,9 +11,6 @@ layers, which mlx-lm's sanitize drops; `load_mtp` reads them (nextn.py) for spec
 `mtp` method, as vLLM's DeepSeekMTP runs them.
 """
 
-import dataclasses
-from types import SimpleNamespace
-
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import deepseek_v3
@@ -26,10 +23,11 @@ from metal_cluster.stage_worker.families import nextn
 from metal_cluster.stage_worker.families.base import Family, LayerCache
 
 
-class DeepseekV3(Family):
+class DeepseekV3(nextn.NextNHooks, Family):
     model_types = ("deepseek_v3", "kimi_k2")
     architectures = ("DeepseekV3ForCausalLM",)  # Kimi K2's config.json names it too
     reads_sliding_window = False
+    mtp_module, mtp_block, mtp_recycles_norm = "deepseek_v3", "DeepseekV3DecoderLayer", True
 
     def layer_caches(self, config):
         args = deepseek_v3.ModelArgs.from_dict(config)  # mlx-lm's defaults where config.json is silent
@@ -46,24 +44,6 @@ class DeepseekV3(Family):
             missing += [k for k in ("num_experts_per_tok", "moe_intermediate_size") if config.get(k) is None]
         if missing:
             raise ModelLoadError(f"{where}: a {config.get('model_type')} config needs {', '.join(missing)}")
-
-    # --- multi-token prediction ------------------------------------------------------------------
-    def mtp_layers(self, config):
-        return nextn.layer_count(config)
-
-    def is_mtp_tensor(self, name, config):
-        return nextn.is_tensor(name, config)
-
-    def load_mtp(self, source, config):
-        if not self.mtp_layers(config):
-            return super().load_mtp(source, config)
-        args = deepseek_v3.ModelArgs.from_dict(config)
-        one = SimpleNamespace(args=dataclasses.replace(args, num_hidden_layers=1))
-        # vLLM 0.33's DeepSeek MTP feeds each further guess the output after shared_head's norm.
-        return nextn.load(source, config, block=lambda i: deepseek_v3.DeepseekV3DecoderLayer(args, i),
-                          sanitize=lambda w: deepseek_v3.Model.sanitize(one, w),
-                          cache=self.layer_caches(config)[-1], recycles_norm=True,
-                          keep_dtype=lambda k: "e_score_correction_bias" not in k)  # as mlx-lm keeps it
 
 
 class PagedLatentAttention(SplitMixer):

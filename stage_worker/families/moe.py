@@ -7,9 +7,6 @@ normalises q/k only with `use_qk_norm`; Mixtral names its head counts differentl
 checkpoints carry MTP layers as DeepSeek V3's do (nextn.py).
 """
 
-import dataclasses
-from types import SimpleNamespace
-
 from metal_cluster.stage_worker.step.attention import PagedAttention
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.families import nextn
@@ -41,32 +38,15 @@ class Mixtral(Family):
         _need(config, where, "num_local_experts", "num_experts_per_tok")
 
 
-class Glm4Moe(Family):
+class Glm4Moe(nextn.NextNHooks, Family):
     model_types = ("glm4_moe",)
     architectures = ("Glm4MoeForCausalLM",)
     reads_sliding_window = False
+    # vLLM's GLM MTP feeds each further guess its output as it is (no norm, unlike DeepSeek's).
+    mtp_module, mtp_block, mtp_recycles_norm = "glm4_moe", "DecoderLayer", False
 
     def check_weights(self, config, where):
         _need(config, where, "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size")
-
-    def mtp_layers(self, config):
-        return nextn.layer_count(config)
-
-    def is_mtp_tensor(self, name, config):
-        return nextn.is_tensor(name, config)
-
-    def load_mtp(self, source, config):
-        from mlx_lm.models import glm4_moe
-
-        if not self.mtp_layers(config):
-            return super().load_mtp(source, config)
-        args = glm4_moe.ModelArgs.from_dict(config)
-        one = SimpleNamespace(args=dataclasses.replace(args, num_hidden_layers=1))
-        # vLLM's GLM MTP feeds each further guess its output as it is (no norm, unlike DeepSeek's).
-        return nextn.load(source, config, block=lambda i: glm4_moe.DecoderLayer(args, i),
-                          sanitize=lambda w: glm4_moe.Model.sanitize(one, w),
-                          cache=self.layer_caches(config)[-1], recycles_norm=False,
-                          keep_dtype=lambda k: "e_score_correction_bias" not in k)  # as mlx-lm keeps it
 
 
 def _need(config: dict, where, *keys: str) -> None:

@@ -5,8 +5,11 @@ Glm4MoeMTP). Each is enorm and hnorm (of the next token's embedding and of the t
 state), eh_proj mixing the two, one decoder layer of the family's own kind, and shared_head (norm,
 head); a layer may carry its own copy of the embedding."""
 
+import dataclasses
+import importlib
 import re
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -17,6 +20,34 @@ from metal_cluster.stage_worker.families.base import LayerCache, MTPLayer
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # A layer's own parts; the rest of its tensors are its decoder layer's.
 _OWN_PARTS = ("embed_tokens.", "enorm.", "hnorm.", "eh_proj.", "shared_head.")
+
+
+class NextNHooks:
+    """A family's multi-token-prediction hooks (families/base.py), for families whose checkpoints
+    carry NextN layers of the family's own decoder layer; mixed in before Family. The family names
+    mlx-lm's module and decoder-layer class, and whether a further guess reads shared_head's norm
+    of the last output (DeepSeek) or the output itself (GLM), as vLLM 0.33 does."""
+
+    mtp_module: str  # mlx_lm.models.<this>
+    mtp_block: str  # its decoder layer class
+    mtp_recycles_norm: bool
+
+    def mtp_layers(self, config):
+        return layer_count(config)
+
+    def is_mtp_tensor(self, name, config):
+        return is_tensor(name, config)
+
+    def load_mtp(self, source, config):
+        if not layer_count(config):
+            return super().load_mtp(source, config)
+        module = importlib.import_module(f"mlx_lm.models.{self.mtp_module}")
+        args = module.ModelArgs.from_dict(config)
+        one = SimpleNamespace(args=dataclasses.replace(args, num_hidden_layers=1))
+        block = getattr(module, self.mtp_block)
+        return load(source, config, block=lambda i: block(args, i), sanitize=lambda w: module.Model.sanitize(one, w),
+                    cache=self.layer_caches(config)[-1], recycles_norm=self.mtp_recycles_norm,
+                    keep_dtype=lambda k: "e_score_correction_bias" not in k)  # as mlx-lm keeps it
 
 
 def layer_count(config: dict) -> int:

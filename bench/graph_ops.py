@@ -141,6 +141,7 @@ def counting(counts: Counts):
 
 
 def build_host(folder: Path, num_blocks: int = 64):
+    """A stage of all the folder's layers, built as `serve` builds one (assign, then start)."""
     from metal_cluster.stage_worker.host import StageHost
 
     layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]

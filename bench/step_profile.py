@@ -33,7 +33,7 @@ from metal_cluster.proto import PROTO_VERSION, pb  # noqa: E402
 from metal_cluster.stage_worker.step import runner as runner_module  # noqa: E402
 from metal_cluster.stage_worker.host import StageHost  # noqa: E402
 
-BLOCK_SIZE = 16
+BLOCK_SIZE = graph_ops.BLOCK_SIZE
 COMPILE_CHOICES = {"on": (True,), "off": (False,), "both": (False, True)}
 
 
@@ -85,17 +85,6 @@ def instrument(host: StageHost, clock: Clock) -> None:
             clock.add("submit", time.perf_counter() - t0)
 
     runner_module.mx = _Mx()
-
-
-def build(folder: Path, num_blocks: int) -> StageHost:
-    import json
-
-    layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
-    host = StageHost()
-    host.assign(pb.AssignRequest(version=PROTO_VERSION, model=str(folder), layer_start=0, layer_end=layers,
-                                 block_size=BLOCK_SIZE, max_num_batched_tokens=512, memory_utilization=0.5))
-    host.start(pb.StartRequest(version=PROTO_VERSION, num_blocks=num_blocks, rank=0, world_size=1))
-    return host
 
 
 def profile(host: StageHost, clock: Clock, ahead: bool, steps: int, warm: int = 4, stream=None) -> dict:
@@ -187,7 +176,7 @@ def main():
             cells = " | ".join(f"{r.get(k, 0.0):.2f}" for k in ("launch", "prepare", "graph", "submit", "wait"))
             print(f"| {folder.name} | mlx-lm | {r['step_ms']:.2f} | {cells} |", flush=True)
             mx.clear_cache()
-        host = build(folder, num_blocks=64)
+        host = graph_ops.build_host(folder, num_blocks=64)
         clock = Clock()
         instrument(host, clock)
         stream = mx.new_stream(mx.default_device())
@@ -213,7 +202,7 @@ def print_ops(folders, with_mlx_lm: bool, compile_modes) -> None:
         if with_mlx_lm:
             r = graph_ops.mlx_lm_ops(folder, as_gpu=mx.default_device().type == mx.DeviceType.gpu)
             print(f"| {folder.name} | mlx-lm | {r['nodes']} | - | - | - | - |", flush=True)
-        host = build(folder, num_blocks=64)
+        host = graph_ops.build_host(folder, num_blocks=64)
         for compiled in compile_modes:
             runner_module.COMPILE = compiled
             r = graph_ops.stage_ops(host)

@@ -13,7 +13,8 @@ into --work-dir. Then, per format, one after the other in this process:
 - ours, two stages: two local worker processes as `serve -pp 2` starts them, driven through
   `RemoteStage` + `Pipeline` (gRPC for the steps, MLX's ring between the stages).
 
-Measured: decode tok/s at batch 1 (128-token prompt), decode tok/s at batch 32 over prompts of
+Measured: decode tok/s at batch 1 (128-token prompt; with both sides asked for, measured with both
+loaded at once in alternating rounds), decode tok/s at batch 32 over prompts of
 64..2048 tokens, time to first token of one 2048-token prompt, and the batch-1 bound: the copy
 bandwidth of this device (a bf16 `a * 1` over 2 GiB) over the weight bytes one decode step reads.
 
@@ -108,12 +109,13 @@ SHAPES = {"qwen3-8b": (QWEN3_8B, SMALL), "qwen3-30b-a3b": (QWEN3_30B_A3B, SMALL_
 class Workload:
     decode_prompt: int = 128  # batch-1 decode
     warm: int = 4  # decode steps before timing (kernel compiles, allocator)
-    steps: int = 32  # timed decode steps
+    steps: int = 64  # timed decode steps
     batch: int = 32
     mixed_min: int = 64  # batch prompts spread evenly over [mixed_min, mixed_max]
     mixed_max: int = 2048
     ttft_prompt: int = 2048
     ttft_repeats: int = 3  # after one untimed warm-up
+    b1_rounds: int = 5  # batch 1, both sides loaded at once: alternating rounds of `steps` each
     max_batched_tokens: int = 2048  # what `serve` passes as --max-num-batched-tokens
     copy_bytes: int = 2 << 30
     copy_iters: int = 10
@@ -122,6 +124,7 @@ class Workload:
 # MLX's CPU quantized matmul runs at well under 1 GFLOP/s: short prompts keep mlx-lm's 4-bit side
 # to seconds. The batch's prompts still take several chunked-prefill steps on our side.
 SMALL_WORKLOAD = Workload(warm=2, steps=8, batch=4, mixed_min=32, mixed_max=128, ttft_prompt=128, ttft_repeats=1,
+                          b1_rounds=2,
                           max_batched_tokens=128, copy_bytes=64 << 20, copy_iters=5)
 
 
@@ -514,10 +517,12 @@ def assign_info(r) -> dict:
                 dtype=getattr(r, "dtype", ""))
 
 
-def ours_in_process(folder: Path, config: dict, wl: Workload, measures, utilization: float, ahead: bool) -> dict:
+@contextlib.contextmanager
+def our_stage(folder: Path, config: dict, wl: Workload, utilization: float, ahead: bool):
     """One stage in this process, the way `serve` runs a single machine (executor -> LocalStage ->
     StageHost): assign, start, then steps, by default one ahead as under vLLM's async scheduling
-    (LocalStage.submit -> StageHost.launch, answered when the engine asks for the tokens)."""
+    (LocalStage.submit -> StageHost.launch, answered when the engine asks for the tokens).
+    Yields (what the stage was built with, the Driver that steps it)."""
     from metal_cluster.kernels import gpu_backend
     from metal_cluster.stage_worker.host import StageHost
 
@@ -543,11 +548,46 @@ def ours_in_process(folder: Path, config: dict, wl: Workload, measures, utilizat
     out["ahead"] = ahead
     driver = Driver(host.launch, out["num_blocks"], wl.max_batched_tokens, ahead)
     try:
-        out.update(run_measures(driver, config, wl, measures, "ours"))
+        yield out, driver
     finally:
         del driver, host, pool
         free()
+
+
+def ours_in_process(folder: Path, config: dict, wl: Workload, measures, utilization: float, ahead: bool) -> dict:
+    with our_stage(folder, config, wl, utilization, ahead) as (out, driver):
+        out.update(run_measures(driver, config, wl, measures, "ours"))
     return out
+
+
+def b1_side_by_side(folder: Path, config: dict, wl: Workload, utilization: float, ahead: bool) -> dict:
+    """Batch-1 decode of mlx-lm and of our stage, both loaded at once, measured in alternating
+    rounds: a host-bound step moves with the machine by tens of percent within minutes (see
+    bench/README.md), so each round's ratio compares two measurements seconds apart."""
+    from mlx_lm.utils import load
+
+    tokens = prompt(wl.decode_prompt, config["vocab_size"], 1)
+    model, _ = load(str(folder))
+    rounds = []
+    try:
+        with our_stage(folder, config, wl, utilization, ahead) as (built, driver):
+            for i in range(wl.b1_rounds):
+                theirs = mlx_lm_batch1(model, tokens, wl.warm, wl.steps)
+                ours = ours_decode(driver, [tokens], wl.warm, wl.steps)
+                rounds.append(dict(mlx_lm=theirs["tok_s"], ours=ours["tok_s"]))
+                print(f"  b1 round {i + 1}: mlx-lm {theirs['tok_s']:.1f}, ours {ours['tok_s']:.1f} tok/s "
+                      f"({ours['tok_s'] / theirs['tok_s']:.2f}x)", flush=True)
+    finally:
+        del model
+        free()
+
+    def side(key):
+        values = [r[key] for r in rounds]
+        return dict(tok_s=statistics.median(values), rounds=values, tokens=wl.steps)
+
+    ratios = [r["ours"] / r["mlx_lm"] for r in rounds]
+    return dict(mlx_lm=side("mlx_lm"), ours=side("ours"), ratio_median=statistics.median(ratios),
+                ratios=ratios, built=built)
 
 
 def ours_pipeline(folder: Path, config: dict, wl: Workload, measures, utilization: float, step_timeout: float) -> dict:
@@ -675,10 +715,16 @@ def notes(results: dict) -> list[str]:
         out.append(f"copy bandwidth {bw['median_bytes_per_s'] / 1e12:.3f} TB/s median "
                    f"({bw['best_bytes_per_s'] / 1e12:.3f} best) over a {bw['array_bytes'] / 2**30:.2f} GiB bf16 array")
     for fmt, r in results["formats"].items():
+        if "error" in r.get("b1_side_by_side", {}):
+            out.append(f"{fmt}: batch 1 side by side failed: {r['b1_side_by_side']['error']}")
         if "weight_bytes_per_token" in r:
             bound = f", bound {r['bound_tok_s']:.0f} tok/s" if r.get("bound_tok_s") else ""
             out.append(f"{fmt}: {r['weight_bytes'] / 1e9:.2f} GB of weights in {r['shards']} shard(s), "
                        f"{r['weight_bytes_per_token'] / 1e9:.2f} GB read per decode step{bound}")
+        pair = r.get("b1_side_by_side", {})
+        if "ratios" in pair:
+            out.append(f"{fmt}: batch 1, both loaded at once, {len(pair['ratios'])} alternating rounds: ours / mlx-lm "
+                       f"{', '.join(f'{x:.2f}' for x in pair['ratios'])} (median {pair['ratio_median']:.2f})")
         o = r.get("ours", {})
         if "pool_dtype" in o:
             mode = "one step ahead (async scheduling)" if o.get("ahead") else "one step at a time"
@@ -757,20 +803,36 @@ def main():
         if "copy_bandwidth" in results:
             r["bound_tok_s"] = results["copy_bandwidth"]["median_bytes_per_s"] / r["weight_bytes_per_token"]
         print(f"{fmt}: {folder}", flush=True)
-        sides = [("mlx-lm", "mlx_lm", lambda: mlx_lm_side(folder, config, wl, measures)),
+        side_measures = measures
+        if "b1" in measures and {"mlx-lm", "ours"} <= set(sections):
+            started = time.perf_counter()
+            try:
+                pair = b1_side_by_side(folder, config, wl, args.memory_utilization, not args.sync)
+                r["b1_side_by_side"] = dict(ratio_median=pair["ratio_median"], ratios=pair["ratios"])
+                r["mlx_lm"], r["ours"] = dict(decode_b1=pair["mlx_lm"]), dict(decode_b1=pair["ours"], **pair["built"])
+            except Exception as e:
+                traceback.print_exc()
+                r["b1_side_by_side"] = dict(error=f"{type(e).__name__}: {e}")
+            free()
+            r["b1_side_by_side"]["section_s"] = time.perf_counter() - started
+            save()
+            side_measures = [m for m in measures if m != "b1"]
+        sides = [("mlx-lm", "mlx_lm", lambda: mlx_lm_side(folder, config, wl, side_measures)),
                  ("ours", "ours",
-                  lambda: ours_in_process(folder, config, wl, measures, args.memory_utilization, not args.sync)),
+                  lambda: ours_in_process(folder, config, wl, side_measures, args.memory_utilization, not args.sync)),
                  ("pipeline", "pipeline",
                   lambda: ours_pipeline(folder, config, wl, measures, args.memory_utilization, args.step_timeout))]
         for section, key, fn in sides:
             if section not in sections:
                 continue
             started = time.perf_counter()
+            if key != "pipeline" and not side_measures:
+                continue
             try:
-                r[key] = fn()
+                r[key] = {**r.get(key, {}), **fn()}
             except Exception as e:  # keep the other sections' numbers
                 traceback.print_exc()
-                r[key] = dict(error=f"{type(e).__name__}: {e}")
+                r[key] = {**r.get(key, {}), "error": f"{type(e).__name__}: {e}"}
             free()
             r[key]["section_s"] = time.perf_counter() - started  # for planning device time
             print(f"  ({section}: {r[key]['section_s']:.0f}s)", flush=True)

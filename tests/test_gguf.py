@@ -310,11 +310,13 @@ def test_a_gguf_files_own_sampling_keys_become_generation_defaults(smollm):
 # --- MoE: qwen3moe as llama.cpp writes it ------------------------------------------------------
 
 
-def write_qwen3moe_gguf(folder, path):
+def write_qwen3moe_gguf(folder, path, quantized=None, plain="F32"):
     """The tiny qwen3_moe folder as llama.cpp's converter lays it out: `qwen3moe` metadata, experts
-    stacked in `blk.N.ffn_{gate,up,down}_exps`, the router in `ffn_gate_inp`, float32 tensors, the
-    tokenizer as a byte-level BPE vocabulary and merges."""
+    stacked in `blk.N.ffn_{gate,up,down}_exps`, the router in `ffn_gate_inp`, the tokenizer as a
+    byte-level BPE vocabulary and merges. Tensors are `plain` (F32 or F16), except the kinds
+    `quantized` names ({"ffn_up_exps": "Q4_0", ...}), which gguf's own quantizer writes."""
     import gguf as gguf_lib
+    from gguf.quants import quantize
     from mlx.utils import tree_flatten
     from mlx_lm.utils import load_model
 
@@ -358,7 +360,14 @@ def write_qwen3moe_gguf(folder, path):
             target = f"blk.{i}.{names[rest]}.{suffix}"
         else:
             target = f"{top[module]}.{suffix}"
-        writer.add_tensor(target, np.array(w.astype(mx.float32)))
+        kind = (quantized or {}).get(target.split(".")[-2])
+        values = np.array(w.astype(mx.float32))
+        if kind is None:
+            writer.add_tensor(target, values.astype(np.float16 if plain == "F16" else np.float32))
+        else:
+            qtype = gguf_lib.GGMLQuantizationType[kind]
+            packed = quantize(values, qtype)
+            writer.add_tensor(target, packed, raw_shape=packed.shape, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -403,6 +412,63 @@ def test_qwen3moe_gguf_serves_token_exact(tmp_path):
     held = [sum(v.nbytes for _, v in tree_flatten(layer.parameters())) for layer in runner.shard.layers]
     assert cost.layer_bytes == held
     assert held[0] > ModelCost.from_config(source.config).layer_bytes[0]  # 8 experts outweigh a dense MLP
+
+
+# llama.cpp's usual mix for a MoE: experts in 4 bits, attention in 8.
+MOE_QUANTS = {"ffn_gate_exps": "Q4_0", "ffn_up_exps": "Q4_1", "ffn_down_exps": "Q4_0", "attn_q": "Q8_0",
+              "attn_k": "Q8_0", "attn_v": "Q8_0", "attn_output": "Q8_0"}
+
+
+def test_qwen3moe_gguf_keeps_quantized_experts_on_a_gpu(tmp_path, monkeypatch):
+    """Where a stage computes on a GPU, a GGUF's Q4_0/Q4_1/Q8_0 tensors stay MLX affine triples, the
+    stacked 3-D experts included: each triple lands under its own module with the bit width it was
+    stored with, dequantized it is exactly the weight the CPU path computes with, the experts'
+    quantized gather gives what the CPU path's float32 experts give, and placement counts the bytes
+    the stage holds. Only where the stage asks which backend it is on is a GPU pretended
+    (`dtypes.on_gpu`): the quantized ops themselves run here, on MLX's CPU backend."""
+    from mlx.utils import tree_flatten
+
+    import tiny_models
+
+    from metal_cluster.stage_worker.model import dtypes
+    from metal_cluster.stage_worker.model.checkpoint_sizes import gguf_weight_bytes
+    from metal_cluster.stage_worker.model.model_source import resolve_model
+    from metal_cluster.stage_worker.model.shard import load_shard
+
+    folder = tiny_models.build_tiny_model("qwen3_moe", tmp_path / "moe", config_overrides={"mlp_only_layers": []})
+    # Plain tensors in F16: the GPU path computes in the scales' dtype (float16), so a router stored in
+    # float32 would be rounded there and could pick other experts than the CPU path does.
+    write_qwen3moe_gguf(folder, tmp_path / "moe.gguf", quantized=MOE_QUANTS, plain="F16")
+    source = resolve_model(tmp_path / "moe.gguf")
+    on_cpu = load_shard(source)
+    monkeypatch.setattr(dtypes, "on_gpu", lambda: True)
+    on_gpu = load_shard(source)
+    assert (on_cpu.dtype, on_gpu.dtype) == (mx.float32, mx.float16)
+
+    cpu_weights = dict(tree_flatten(on_cpu.model.parameters()))
+    gpu_weights = dict(tree_flatten(on_gpu.model.parameters()))
+    triples = {name.removesuffix(".scales") for name in gpu_weights if name.endswith(".scales")}
+    per_layer = len(MOE_QUANTS)
+    assert len(triples) == per_layer * len(on_gpu.layers)
+    for stem in triples:
+        w, scales = gpu_weights[f"{stem}.weight"], gpu_weights[f"{stem}.scales"]
+        bits = gguf.bits_of(w, scales)
+        assert w.dtype == mx.uint32 and bits == (4 if ".switch_mlp." in stem else 8), stem
+        values = mx.dequantize(w, scales.astype(mx.float32), gpu_weights[f"{stem}.biases"].astype(mx.float32),
+                               group_size=gguf.GROUP_SIZE, bits=bits)
+        assert mx.array_equal(values, cpu_weights[f"{stem}.weight"]).item(), stem
+    assert gpu_weights["model.layers.0.mlp.switch_mlp.gate_proj.weight"].ndim == 3  # [experts, out, packed in]
+
+    # Placement weighs each layer as the GPU stage holds it (packed words, float16 scales and biases).
+    held = [sum(v.nbytes for _, v in tree_flatten(layer.parameters())) for layer in on_gpu.layers]
+    assert gguf_weight_bytes(source.gguf, source.config, float32=False).layers == held
+
+    # The experts computed quantized (gather_qmm) equal the CPU path's float32 experts (gather_mm).
+    on_gpu.model.set_dtype(mx.float32)  # scales, biases and norms to float32; the packed words stay
+    x = mx.random.normal((1, 6, source.config["hidden_size"]), key=mx.random.key(3))
+    for cpu_layer, gpu_layer in zip(on_cpu.layers, on_gpu.layers):
+        want, got = cpu_layer.mlp(x), gpu_layer.mlp(x)
+        assert mx.allclose(got, want, rtol=1e-4, atol=1e-5).item(), float(mx.abs(got - want).max())
 
 
 def test_tensor_table_without_the_metadata_parse_matches_gguf_readers(tmp_path):

@@ -93,8 +93,11 @@ def _held_bytes(name: str, t: dict, float32: bool, bits: int | None) -> int:
     return stored // _ITEMSIZE.get(t["dtype"], 4) * 4
 
 
-# Types MLX loads as affine-quantized triples (kept so on a GPU); it dequantizes the rest to float16.
-_GGUF_KEPT = {"F32", "F16", "BF16", "Q4_0", "Q4_1", "Q8_0"}
+# Types MLX loads as affine-quantized triples, kept so on a GPU: bits per value. MLX dequantizes the
+# other quantized types to float16 as it loads them.
+_GGUF_TRIPLES = {"Q4_0": 4, "Q4_1": 4, "Q8_0": 8}
+_GGUF_FLOAT_BYTES = {"F32": 4, "F16": 2, "BF16": 2}
+_GGUF_GROUP = 32  # values per group of a triple: one float16 scale and one float16 bias each
 _GGUF_LAYER = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -106,8 +109,13 @@ def gguf_weight_bytes(path: Path, config: dict, float32: bool) -> WeightBytes | 
         return None  # the load says what is wrong with the file
     layers = [0] * config["num_hidden_layers"]
     embed = head = 0
+    itemsize = 4 if float32 else _gguf_compute_itemsize(tensors)
     for t in tensors:
-        n = t.n_elements * 4 if float32 else (t.n_bytes if t.type_name in _GGUF_KEPT else t.n_elements * 2)
+        bits = None if float32 else _GGUF_TRIPLES.get(t.type_name)
+        if bits is None:
+            n = t.n_elements * itemsize
+        else:  # packed uint32 words, and a scale and a bias in float16 per group
+            n = t.n_elements * bits // 8 + t.n_elements // _GGUF_GROUP * 4
         if (m := _GGUF_LAYER.match(t.name)) is not None:
             if int(m.group(1)) < len(layers):
                 layers[int(m.group(1))] += n
@@ -117,6 +125,18 @@ def gguf_weight_bytes(path: Path, config: dict, float32: bool) -> WeightBytes | 
             head += n
     tied = not any(t.name == "output.weight" for t in tensors)
     return WeightBytes(layers, embed, head + (embed if tied else 0), tied)
+
+
+def _gguf_compute_itemsize(tensors: list["GGUFTensor"]) -> int:
+    """Bytes per value of a GGUF's plain tensors on a GPU stage, which casts them to its compute
+    dtype (`dtypes.weights_dtype`): the scales' float16 when triples are kept, else the float type
+    most values are stored in (other quantized types arrive dequantized to float16)."""
+    if any(t.type_name in _GGUF_TRIPLES for t in tensors):
+        return 2
+    values = {4: 0, 2: 0}
+    for t in tensors:
+        values[_GGUF_FLOAT_BYTES.get(t.type_name, 2)] += t.n_elements
+    return max(values, key=values.get)
 
 
 @dataclass(frozen=True)

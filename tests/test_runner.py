@@ -255,3 +255,31 @@ def test_a_seeded_request_resumed_on_fresh_stages_draws_what_it_would_have(llama
 
     whole = generate(make_runner(source), [], 12)
     assert generate(make_runner(source), whole[:6], 12) == whole
+
+
+def test_decode_steps_of_a_few_requests_take_one_blas_thread():
+    """With OpenBLAS preloaded (as the CLI runs every stage on the CPU), a step of 4-8 packed tokens
+    runs on one BLAS thread and any other on all of them (stage_worker/step/blas_threads.py), in a
+    fresh process, as serve's stages are."""
+    import subprocess
+    import sys
+
+    from metal_cluster.coordinator.blas import find_openblas, openblas_env
+
+    if find_openblas() is None:
+        pytest.skip("OpenBLAS is not installed here (deploy/install.sh installs it)")
+    probe = (
+        "import ctypes, os\n"
+        "from metal_cluster.stage_worker.step.blas_threads import BlasThreads\n"
+        "lib = ctypes.CDLL(os.environ['LD_PRELOAD'].split(':')[0])\n"
+        "blas = BlasThreads()\n"
+        "seen = []\n"
+        "for rows in (1, 4, 8, 9, 3, 6, 2048):\n"
+        "    blas.for_step(rows)\n"
+        "    seen.append(lib.openblas_get_num_threads())\n"
+        "print(seen)\n"
+    )
+    env = {**openblas_env(), "OPENBLAS_NUM_THREADS": "2"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("\n")[-2] == "[2, 1, 1, 2, 2, 1, 2]"

@@ -15,6 +15,7 @@ import numpy as np
 from metal_cluster.proto import pb
 from metal_cluster.stage_worker.step.attention import LayerContext
 from metal_cluster.stage_worker.step.batch import StepBatch, build_batch
+from metal_cluster.stage_worker.step.blas_threads import BlasThreads
 from metal_cluster.stage_worker.step.decode_chain import DecodeChain
 from metal_cluster.stage_worker.model import classifier
 from metal_cluster.stage_worker.step.draft import DraftModel
@@ -79,6 +80,7 @@ class StageRunner:
         self.table = RequestTable(pool.num_blocks, pool.layout.windows, pool.block_size, pool.layout.recurrent)
         self.lora = LoRABank(shard.layers, shard.start, shard.dtype, shard.compile_switch)
         self.chain = DecodeChain(shard.layers, shard.compile_switch)  # decode steps' compiled path
+        self.blas = BlasThreads()  # on the CPU: OpenBLAS's threads per step's rows
 
     def step(self, step: pb.StepRequest, hidden_in: mx.array | None = None) -> StageOutput:
         """prepare + run, waited for."""
@@ -123,6 +125,7 @@ class StageRunner:
         out = StageOutput(step_id=step.step_id)
         if not batch.req_ids:
             return out
+        self.blas.for_step(batch.token_ids.shape[0])
         hidden = self._forward(batch, hidden_in)
         for req_id, n in zip(batch.req_ids, batch.num_tokens):
             self.table.advance(req_id, n)

@@ -165,7 +165,14 @@ def up(
         from metal_cluster.stage_worker.model.dtypes import on_gpu  # MLX: only when this host runs a stage
 
         hosts = hosts + [placement.Host("this-host", "local", memory, local=True, gpu=on_gpu())]
-    cost = placement.ModelCost.of_model(source.folder, source.config, on_gpu=all(h.gpu for h in hosts))
+    from metal_cluster.coordinator.engine import speculation
+
+    bad_speculation = speculation.problem(extra, source.folder)
+    if bad_speculation:
+        fail(bad_speculation)
+    on_gpu = all(h.gpu for h in hosts)
+    cost = placement.ModelCost.of_model(source.folder, source.config, on_gpu=on_gpu)
+    cost = placement.with_drafter(cost, source.folder, source.config, *speculation.drafter(extra), on_gpu=on_gpu)
     kv_tokens = _max_model_len(extra, source.config)
     try:
         stages = placement.plan(hosts, cost, gpu_memory_utilization, kv_tokens)
@@ -174,8 +181,6 @@ def up(
     cluster.show_plan(stages, console)
     store = None
     if any(not s.host.local for s in stages):  # hosts without a copy fetch their layers from here
-        from metal_cluster.coordinator.engine import speculation
-
         try:
             store = cluster.start_model_store(source, _served_name(source), ip, token, console, weights_over_tls)
             stages = cluster.leave_out_hosts_without_room(

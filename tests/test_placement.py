@@ -153,3 +153,49 @@ def test_a_vision_language_checkpoint_costs_its_text_model(tmp_path):
     assert stored("mtp.") and stored("model.visual.")  # there, and not counted
     estimate = ModelCost.from_config(resolve_model(folder).config)  # no intermediate_size: all experts and the shared one
     assert 0.5 < sum(estimate.layer_bytes) / sum(cost.layer_bytes) < 2
+
+
+@pytest.mark.parametrize("drafter", ["draft_model", "mtp"])
+def test_the_last_host_holds_the_speculative_drafter(drafter, tmp_path):
+    """With speculative decoding the last stage also holds its drafter (a draft model run whole, or the
+    checkpoint's first MTP layer) and the drafter's own KV pool: placement charges what the stage
+    will hold to the last host, and moves layers off it to make room."""
+    import tiny_models
+
+    from metal_cluster.coordinator.cluster.placement import with_drafter
+    from metal_cluster.stage_worker.model.model_source import resolve_model
+    from metal_cluster.stage_worker.model.shard import load_shard
+    from metal_cluster.stage_worker.step.draft import DraftModel
+    from metal_cluster.stage_worker.step.mtp import MTPDrafter
+
+    if drafter == "mtp":
+        folder = tiny_models.build_tiny_model("deepseek_v3", tmp_path / "target", mtp_layers=2)
+        source = resolve_model(folder)
+        held = MTPDrafter.load(source, load_shard(source), k=2)
+        cost = with_drafter(ModelCost.of_model(folder, source.config), folder, source.config, mtp=True)
+    else:
+        folder = tiny_models.build_tiny_model("qwen3", tmp_path / "target", num_layers=6)
+        draft = tiny_models.build_tiny_model("llama", tmp_path / "draft", num_layers=2)
+        source = resolve_model(folder)
+        held = DraftModel.load(str(draft), k=2)
+        cost = with_drafter(ModelCost.of_model(folder, source.config), folder, source.config, draft_folder=str(draft))
+    # What the stage reports holding (weights; KV per block of 16 tokens), on this CPU in float32.
+    assert cost.drafter_bytes == held.weights_bytes > 0
+    assert cost.drafter_kv_bytes_per_token * 16 == held.bytes_per_block(16) > 0
+
+    plain = ModelCost.of_model(folder, source.config, activation_bytes=0)
+    cost = with_drafter(plain, folder, source.config, draft_folder=None if drafter == "mtp" else str(draft),
+                        mtp=drafter == "mtp")
+    kv_tokens = 64
+    per_layer = [w + kv * kv_tokens for w, kv in zip(plain.layer_bytes, plain.kv_bytes_per_token)]
+    # Two equal hosts with room for the ends and a little over half the layers each: without the
+    # drafter the layers split evenly; with it the last host takes fewer, and still has room.
+    room = sum(per_layer) // 2 + max(per_layer) + plain.embed_bytes + plain.head_bytes + cost.drafter_bytes \
+        + cost.drafter_kv_bytes_per_token * kv_tokens
+    hosts = [Host("first", "f:1", 2 * room, local=True), Host("last", "l:1", 2 * room)]
+    without, with_it = plan(hosts, plain, 0.5, kv_tokens), plan(hosts, cost, 0.5, kv_tokens)
+    last = with_it[-1]
+    assert last.end - last.start < without[-1].end - without[-1].start
+    charged = sum(per_layer[last.start:last.end]) + cost.head_bytes + cost.drafter_bytes \
+        + cost.drafter_kv_bytes_per_token * kv_tokens
+    assert charged <= room

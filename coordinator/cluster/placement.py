@@ -4,10 +4,11 @@ Stages go in ring order: the coordinator's own host first (it holds the embeddin
 hosts before Wi-Fi ones, larger memory first. Each host takes layers in proportion to what it can
 hold at the requested memory share: per layer its weights plus that layer's KV for `kv_tokens`
 tokens (a recurrent layer: one request's state, whatever the context), never weights alone, after
-the fixed costs of its position (embedding, head, activations).
+the fixed costs of its position (embedding, head, activations; on the last, speculative
+decoding's drafter).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 GIB = 2**30
@@ -36,6 +37,9 @@ class ModelCost:
     head_bytes: int  # last stage only: norm + lm_head (the embedding again when tied)
     activation_bytes: int = 0  # reserve on every stage
     state_bytes: list[int] = field(default_factory=list)  # per layer: one request's recurrent state (or 0)
+    # Last stage only: speculative decoding's draft model or MTP layer (weights), and its own KV per token.
+    drafter_bytes: int = 0
+    drafter_kv_bytes_per_token: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -88,6 +92,30 @@ class ModelCost:
                    activation_bytes=activation_bytes, state_bytes=states)
 
 
+def with_drafter(cost: ModelCost, model_folder, config: dict, draft_folder=None, mtp: bool = False,
+                 on_gpu: bool = False) -> ModelCost:
+    """`cost` with speculative decoding's drafter on the last stage: a draft model (`draft_folder`,
+    run whole beside the last stage's layers) or the checkpoint's first MTP layer (`mtp`), each
+    with a KV pool of its own as deep as the target's."""
+    from metal_cluster.stage_worker.model.checkpoint_sizes import mtp_layer_bytes
+    from metal_cluster.stage_worker.model.model_source import resolve_model, text_config
+
+    if mtp:
+        target = text_config(config)
+        weights = mtp_layer_bytes(Path(model_folder), target, float32=not on_gpu)
+        kv = ModelCost.from_config(target, on_gpu).kv_bytes_per_token[-1]  # the MTP layer's cache is the last layer's
+    elif draft_folder:
+        source = resolve_model(draft_folder)
+        draft = ModelCost.of_model(source.folder, source.config, on_gpu)
+        tied = text_config(source.config).get("tie_word_embeddings", False)
+        # One stage holds the whole draft: a tied embedding, counted in both ends, is held once.
+        weights = sum(draft.layer_bytes) + draft.embed_bytes + draft.head_bytes - (draft.embed_bytes if tied else 0)
+        kv = sum(draft.kv_bytes_per_token)
+    else:
+        return cost
+    return replace(cost, drafter_bytes=weights, drafter_kv_bytes_per_token=kv)
+
+
 def _mlp_width(config: dict) -> int:
     """The intermediate width a layer's MLP weights add up to: a MoE config without a dense
     intermediate_size (Qwen3.5-MoE's) holds all its experts and a shared one."""
@@ -133,7 +161,8 @@ def plan(hosts: list[Host], cost: ModelCost, utilization: float, kv_tokens: int)
     room = []
     for k, host in enumerate(ordered):
         fixed = cost.activation_bytes + (cost.embed_bytes if k == 0 else 0)
-        fixed += cost.head_bytes if k == len(ordered) - 1 else 0
+        if k == len(ordered) - 1:
+            fixed += cost.head_bytes + cost.drafter_bytes + cost.drafter_kv_bytes_per_token * kv_tokens
         room.append(max(0, int(utilization * host.memory_total - fixed)))
     counts = _contiguous_split(per_layer, room)
     if counts is None:
@@ -182,10 +211,11 @@ def _fill(per_layer: list[int], room: list[int]) -> list[int] | None:
 def _shortfall(hosts, room, cost, per_layer, utilization, kv_tokens) -> str:
     need = max(sum(per_layer) - sum(room), max(per_layer) - max(room))
     biggest = max(hosts, key=lambda h: h.memory_total)
+    drafter = " and the speculative drafter" if cost.drafter_bytes else ""
     return (
         f"the model does not fit: {cost.num_layers} layers with KV for {kv_tokens} tokens need "
         f"{sum(per_layer) / GIB:.2f} GiB ({max(per_layer) / GIB:.2f} GiB for the heaviest layer), and "
         f"{len(hosts)} host(s) at {utilization:.0%} of their memory hold {sum(room) / GIB:.2f} GiB after "
-        f"embedding, head and activations; {biggest.name} (the largest) lacks at least {max(need, 0) / GIB:.2f} GiB: "
+        f"embedding, head, activations{drafter}; {biggest.name} (the largest) lacks at least {max(need, 0) / GIB:.2f} GiB: "
         f"add a host, raise --gpu-memory-utilization or lower --max-model-len"
     )

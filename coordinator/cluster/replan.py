@@ -112,7 +112,11 @@ def wait_idle(stage, deadline: float):
 
 def model_cost(settings: Settings, on_gpu: bool) -> placement.ModelCost:
     if on_gpu not in settings.costs:
-        settings.costs[on_gpu] = placement.ModelCost.of_model(settings.model, settings.config, on_gpu=on_gpu)
+        cost = placement.ModelCost.of_model(settings.model, settings.config, on_gpu=on_gpu)
+        draft = settings.draft
+        if draft is not None:
+            cost = placement.with_drafter(cost, settings.model, settings.config, draft.model or None, draft.mtp, on_gpu)
+        settings.costs[on_gpu] = cost
     return settings.costs[on_gpu]
 
 

@@ -70,6 +70,15 @@ def method(args: list[str]) -> str | None:
     return _method(config) if isinstance(config, dict) else None
 
 
+def drafter(args: list[str]) -> tuple[str | None, bool]:
+    """What the last stage loads beside its layers for the speculative config in `args` (call after
+    `problem` found none): (the draft model's folder or .gguf, or None; whether MTP layers draft)."""
+    raw = flag_value(args)
+    config = json.loads(raw) if raw is not None else {}
+    kind = _method(config)
+    return (config["model"] if kind == "draft_model" else None), kind == "mtp"
+
+
 def with_draft_folder(args: list[str]) -> list[str]:
     """vLLM's arguments with a draft model named by the folder vLLM reads (a .gguf's derived folder,
     which the stage's loader maps back to the file). Call after `problem` found none."""

@@ -82,6 +82,16 @@ def weight_bytes(folder: Path, config: dict, float32: bool) -> WeightBytes | Non
     return WeightBytes(layers, embed, head + (embed if tied else 0), tied)
 
 
+def mtp_layer_bytes(folder: Path, config: dict, float32: bool) -> int:
+    """Bytes of the checkpoint's first multi-token-prediction layer (`model.layers.{N}.*` after the N
+    decoder layers, its own embedding and head copies included) as a last stage holds it for
+    speculative decoding's `mtp` method, which runs that layer alone (stage_worker/step/mtp.py)."""
+    prefix = f"model.layers.{config['num_hidden_layers']}."
+    bits = (config.get("quantization") or {}).get("bits")
+    return sum(_held_bytes(name, t, float32, bits) for name, t in read_headers(folder).items()
+               if name.startswith(prefix))
+
+
 def _held_bytes(name: str, t: dict, float32: bool, bits: int | None) -> int:
     stored = t["data_offsets"][1] - t["data_offsets"][0]
     if not float32:

@@ -274,7 +274,10 @@ def test_decode_steps_of_a_few_requests_take_one_blas_thread():
         "lib = ctypes.CDLL(os.environ['LD_PRELOAD'].split(':')[0])\n"
         "blas = BlasThreads()\n"
         "seen = []\n"
-        "for rows in (1, 4, 8, 9, 3, 6, 2048):\n"
+        "for rows in (1, 4, 8, 9, 3, 6, 2048, 'new runner', 5, 'new runner', 1):\n"
+        "    if rows == 'new runner':\n"
+        "        blas = BlasThreads()\n"
+        "        continue\n"
         "    blas.for_step(rows)\n"
         "    seen.append(lib.openblas_get_num_threads())\n"
         "print(seen)\n"
@@ -282,4 +285,5 @@ def test_decode_steps_of_a_few_requests_take_one_blas_thread():
     env = {**openblas_env(), "OPENBLAS_NUM_THREADS": "2"}
     out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split("\n")[-2] == "[2, 1, 1, 2, 2, 1, 2]"
+    # A runner made after one left a single thread set still gives a prompt every thread.
+    assert out.stdout.split("\n")[-2] == "[2, 1, 1, 2, 2, 1, 2, 1, 2]"

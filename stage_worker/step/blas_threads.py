@@ -14,6 +14,7 @@ Nothing happens elsewhere: on a GPU, or where OpenBLAS is not the BLAS MLX calls
 """
 
 import ctypes
+import functools
 import os
 
 import mlx.core as mx
@@ -23,17 +24,8 @@ MIN_ROWS, MAX_ROWS = 4, 8
 
 class BlasThreads:
     def __init__(self):
-        self._set_threads = None
-        self._all = self._current = 0
-        lib = _preloaded_openblas()
-        if lib is None or mx.default_device().type != mx.DeviceType.cpu:
-            return
-        try:
-            handle = ctypes.CDLL(lib)  # the preloaded library itself: dlopen returns its handle
-            self._set_threads, self._all = handle.openblas_set_num_threads, handle.openblas_get_num_threads()
-        except (OSError, AttributeError):
-            return
-        self._current = self._all
+        self._set_threads, self._all = _openblas()
+        self._current = None  # unknown: a runner of an earlier plan may have left one thread set
 
     def for_step(self, num_tokens: int) -> None:
         """Before building a step of `num_tokens` packed tokens. MLX runs the step's calls on its CPU
@@ -47,5 +39,15 @@ class BlasThreads:
             self._current = wanted
 
 
-def _preloaded_openblas() -> str | None:
-    return next((p for p in os.environ.get("LD_PRELOAD", "").split(":") if "libopenblas" in p), None)
+@functools.cache
+def _openblas():
+    """(openblas_set_num_threads, the thread count the process started with), or (None, 0) where
+    OpenBLAS is not the BLAS MLX's CPU backend calls. Read once, before any step changed the count."""
+    lib = next((p for p in os.environ.get("LD_PRELOAD", "").split(":") if "libopenblas" in p), None)
+    if lib is None or mx.default_device().type != mx.DeviceType.cpu:
+        return None, 0
+    try:
+        handle = ctypes.CDLL(lib)  # the preloaded library itself: dlopen returns its handle
+        return handle.openblas_set_num_threads, handle.openblas_get_num_threads()
+    except (OSError, AttributeError):
+        return None, 0

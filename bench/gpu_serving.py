@@ -823,11 +823,9 @@ def main():
                  ("pipeline", "pipeline",
                   lambda: ours_pipeline(folder, config, wl, measures, args.memory_utilization, args.step_timeout))]
         for section, key, fn in sides:
-            if section not in sections:
-                continue
+            if section not in sections or (key != "pipeline" and not side_measures):
+                continue  # not asked for, or its only measure was taken side by side
             started = time.perf_counter()
-            if key != "pipeline" and not side_measures:
-                continue
             try:
                 r[key] = {**r.get(key, {}), **fn()}
             except Exception as e:  # keep the other sections' numbers

@@ -24,7 +24,6 @@ lower bound; the acceptance a real checkpoint reaches is in its row.
 
 import argparse
 import concurrent.futures as cf
-import contextlib
 import json
 import os
 import platform
@@ -40,7 +39,7 @@ import openai
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from server_process import running_server  # noqa: E402
+from server_process import running_servers  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
@@ -62,6 +61,7 @@ FREE = ["Write a short story about a lighthouse keeper.", "Explain how bread ris
         "Invent a recipe with apples and cheese.", "Describe a walk through a forest in autumn."]
 WORKLOAD = "repeat"
 SERVED = MODEL  # the name both servers serve the model under
+IGNORE_EOS = False  # random weights: every answer runs to max_tokens (bench/gpu_speculative.py)
 
 
 def messages(i: int) -> list[dict]:
@@ -74,7 +74,8 @@ def messages(i: int) -> list[dict]:
 def one(client, i: int, max_tokens: int) -> tuple[list[int], float]:
     """(token ids, seconds from the first output token to the last)."""
     stream = client.chat.completions.create(model=SERVED, messages=messages(i), max_tokens=max_tokens,
-                                            temperature=0, stream=True, extra_body={"return_token_ids": True})
+                                            temperature=0, stream=True,
+                                            extra_body={"return_token_ids": True, "ignore_eos": IGNORE_EOS})
     tokens, first = [], None
     for chunk in stream:
         if chunk.choices and chunk.choices[0].model_extra.get("token_ids"):
@@ -132,6 +133,49 @@ def speculative_config(method: str, work: Path) -> dict:
     return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": DRAFT_TOKENS}
 
 
+def side_by_side(model: str | None, spec_config: dict, stages: int, levels: list[int], repeats: int,
+                 max_tokens: int, work: Path, server_args: list[str]) -> list[dict]:
+    """A plain and a speculating server on `model` (None: the embedded SmolLM2), both up at once and
+    measured alternately; one dict per concurrency level."""
+    specs = {}
+    for mode in ("plain", "spec"):
+        extra = list(server_args) + (["--served-model-name", SERVED] if model else [])
+        extra += ["-pp", str(stages)] if stages > 1 else []
+        extra += ["--speculative-config", json.dumps(spec_config)] if mode == "spec" else []
+        specs[mode] = (model, extra, work / f"{mode}-{stages}.log")
+    with running_servers(specs, timeout=900) as urls:  # started together: about the time of one
+        clients = {mode: openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=600, max_retries=0)
+                   for mode, url in urls.items()}
+        for client in clients.values():
+            one(client, 0, 8)  # warm
+        results = {}
+        for _ in range(repeats):
+            for c in levels:
+                for mode in ("plain", "spec"):
+                    rate, answers = workload(clients[mode], c, max_tokens)
+                    results.setdefault((mode, c), []).append(rate)
+                    results[mode, c, "answers"] = answers
+                    print(f"{stages} stage(s) {mode} c={c}: {rate:.1f} tok/s (load {os.getloadavg()[0]:.1f})", flush=True)
+        rate, mean = acceptance(urls["spec"])
+    rows = []
+    for c in levels:
+        plain, spec = (statistics.median(results[m, c]) for m in ("plain", "spec"))
+        a, b = results["plain", c, "answers"], results["spec", c, "answers"]
+        rows.append(dict(stages=stages, concurrency=c, plain=plain, spec=spec, ratio=spec / plain, acceptance=rate,
+                         tokens_per_step=mean, differ=sum(x != y for x, y in zip(a, b)), answers=len(a)))
+    return rows
+
+
+def table(rows: list[dict], method: str) -> str:
+    lines = [f"| stages | concurrency | plain tok/s | {method} tok/s | ratio | draft acceptance | tokens per draft step | same tokens |",
+             "|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        same = "yes" if not r["differ"] else f"no ({r['differ']} of {r['answers']} differ)"
+        lines.append(f"| {r['stages']} | {r['concurrency']} | {r['plain']:.1f} | {r['spec']:.1f} | {r['ratio']:.2f}x "
+                     f"| {r['acceptance']:.0%} | {r['tokens_per_step']:.2f} | {same} |")
+    return "\n".join(lines)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--stages", default="1,3")
@@ -152,37 +196,11 @@ def main():
         model = args.model or (random_mtp_model(Path(work)) if args.method == "mtp" else None)
         SERVED = Path(model).name if model else MODEL
         print(f"model: {model or MODEL}; speculative config: {json.dumps(spec_config)}")
+        server_args = ["--max-model-len", "2048", "--max-num-batched-tokens", "512", "--max-num-seqs", "16"]
         for stages in (int(s) for s in args.stages.split(",")):
-            with contextlib.ExitStack() as servers:
-                clients, urls = {}, {}
-                for mode in ("plain", "spec"):
-                    extra = ["--max-model-len", "2048", "--max-num-batched-tokens", "512", "--max-num-seqs", "16"]
-                    extra += ["--served-model-name", SERVED] if model else []
-                    extra += ["-pp", str(stages)] if stages > 1 else []
-                    extra += ["--speculative-config", json.dumps(spec_config)] if mode == "spec" else []
-                    urls[mode] = servers.enter_context(
-                        running_server(model, *extra, log_path=Path(work) / f"{mode}-{stages}.log", timeout=900))
-                    clients[mode] = openai.OpenAI(base_url=f"{urls[mode]}/v1", api_key="unused", timeout=600,
-                                                  max_retries=0)
-                    one(clients[mode], 0, 8)  # warm
-                results = {}
-                for _ in range(args.repeats):
-                    for c in levels:
-                        for mode in ("plain", "spec"):
-                            rate, answers = workload(clients[mode], c, args.max_tokens)
-                            results.setdefault((mode, c), []).append(rate)
-                            results[mode, c, "answers"] = answers
-                            print(f"{stages} stage(s) {mode} c={c}: {rate:.1f} tok/s (load {os.getloadavg()[0]:.1f})",
-                                  flush=True)
-                rate, mean = acceptance(urls["spec"])
-            for c in levels:
-                plain, spec = (statistics.median(results[m, c]) for m in ("plain", "spec"))
-                a, b = results["plain", c, "answers"], results["spec", c, "answers"]
-                same = "yes" if a == b else f"no ({sum(x != y for x, y in zip(a, b))} of {len(a)} differ)"
-                rows.append(f"| {stages} | {c} | {plain:.1f} | {spec:.1f} | {spec / plain:.2f}x | {rate:.0%} | {mean:.2f} | {same} |")
-    print(f"\n| stages | concurrency | plain tok/s | {args.method} tok/s | ratio | draft acceptance | tokens per draft step | same tokens |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---|")
-    print("\n".join(rows))
+            rows += side_by_side(model and str(model), spec_config, stages, levels, args.repeats, args.max_tokens,
+                                 Path(work), server_args)
+    print("\n" + table(rows, args.method))
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 

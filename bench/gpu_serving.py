@@ -115,7 +115,7 @@ class Workload:
     mixed_max: int = 2048
     ttft_prompt: int = 2048
     ttft_repeats: int = 3  # after one untimed warm-up
-    b1_rounds: int = 5  # batch 1, both sides loaded at once: alternating rounds of `steps` each
+    b1_rounds: int = 9  # batch 1, both sides loaded at once: alternating rounds of `steps` each
     max_batched_tokens: int = 2048  # what `serve` passes as --max-num-batched-tokens
     copy_bytes: int = 2 << 30
     copy_iters: int = 10

@@ -63,12 +63,8 @@ def test_eight_requests_packed_in_one_batch(family):
     assert len(runner.table) == 0  # finished requests leave nothing behind on the next step
 
 
-@pytest.mark.parametrize("compile_on", [True, False], ids=["compiled", "METAL_CLUSTER_COMPILE=0"])
-def test_decode_steps_take_the_compiled_path_and_prompt_chunks_do_not(family, monkeypatch, compile_on):
-    """Pure decode batches run each layer's block but its KV writes and attention through mx.compile,
-    one call per layer boundary (stage_worker/step/decode_chain.py); prompt chunks, whose shapes
-    vary, run the blocks directly. Both are token-exact (the other tests here run both paths
-    against mlx-lm)."""
+def count_compiled_calls(monkeypatch, compile_on: bool) -> dict:
+    """METAL_CLUSTER_COMPILE as `compile_on`, and {"compiled": calls of every compiled trace so far}."""
     import types
 
     from metal_cluster.stage_worker.step import compiled, runner as runner_module
@@ -84,6 +80,16 @@ def test_decode_steps_take_the_compiled_path_and_prompt_chunks_do_not(family, mo
             return traced(*args)
         return call
     monkeypatch.setattr(compiled, "mx", types.SimpleNamespace(**{**vars(mx), "compile": counting_compile}))
+    return calls
+
+
+@pytest.mark.parametrize("compile_on", [True, False], ids=["compiled", "METAL_CLUSTER_COMPILE=0"])
+def test_decode_steps_take_the_compiled_path_and_prompt_chunks_do_not(family, monkeypatch, compile_on):
+    """Pure decode batches run each layer's block but its KV writes and attention through mx.compile,
+    one call per layer boundary (stage_worker/step/decode_chain.py); prompt chunks, whose shapes
+    vary, run the blocks directly. Both are token-exact (the other tests here run both paths
+    against mlx-lm)."""
+    calls = count_compiled_calls(monkeypatch, compile_on)
     source, ref_model, prompts = family
     runner = make_runner(source)
     steps = []
@@ -104,6 +110,48 @@ def test_decode_steps_take_the_compiled_path_and_prompt_chunks_do_not(family, mo
     # The first layer's projections, then one call from each layer's attention to the next's.
     per_decode = layers + 1 if compile_on else 0
     assert steps[1:] and all(s == (True, per_decode) for s in steps[1:])
+
+
+@pytest.mark.parametrize("compile_on", [True, False], ids=["compiled", "METAL_CLUSTER_COMPILE=0"])
+def test_verification_and_a_draft_models_one_token_passes_take_the_compiled_path(llama_model, monkeypatch, compile_on):
+    """Speculative steps whose shapes recur (every request verifying as many drafts; the draft
+    model's proposing passes, one token a request) take the compiled path as decode steps do; a
+    prompt, and the draft's catch-up over several tokens a request, do not. Greedy with the target
+    as its own draft, so every draft is accepted: the tokens equal mlx-lm's."""
+    from metal_cluster.proto import PROTO_VERSION, pb
+    from metal_cluster.stage_worker.step.draft import DraftModel
+
+    calls = count_compiled_calls(monkeypatch, compile_on)
+    k, blocks = 2, 16
+    ref_model, tokenizer = load(str(llama_model))
+    prompts = {f"r{i}": tokenizer.encode(p) for i, p in enumerate(PROMPTS[:3])}
+    shard = load_shard(resolve_model(llama_model))
+    draft = DraftModel.load(str(llama_model), k).allocate(blocks * len(prompts) + 1, BLOCK_SIZE)
+    runner = StageRunner(shard, KVPool.allocate(shard.caches, blocks * len(prompts) + 1, BLOCK_SIZE, shard.dtype), draft)
+    first = pb.StepRequest(version=PROTO_VERSION, step_id=0)
+    for i, (r, ids) in enumerate(prompts.items()):
+        first.new_requests.add(req_id=r, prompt_token_ids=ids, block_ids=range(1 + i * blocks, 1 + (i + 1) * blocks),
+                               sampling=pb.SamplingParams(temperature=0.0))
+        first.scheduled.add(req_id=r, num_tokens=len(ids))
+    counted = [calls["compiled"]]
+    out = runner.step(first)
+    counted.append(calls["compiled"])
+    got = {r: [s.token_id] for r, s in out.sampled.items()}
+    drafts = {d.req_id: list(d.token_ids) for d in out.spec_drafts}
+    second = pb.StepRequest(version=PROTO_VERSION, step_id=1)
+    for r, ids in prompts.items():
+        second.cached_requests.add(req_id=r, num_computed_tokens=len(ids), new_token_ids=got[r])
+        second.scheduled.add(req_id=r, num_tokens=1 + k, draft_token_ids=drafts[r])
+    out = runner.step(second)
+    counted.append(calls["compiled"])
+    for r, ids in prompts.items():
+        got[r] += [a.token_id for a in out.accepted[r]] + [out.sampled[r].token_id]
+        assert got[r] == mlx_lm_greedy(ref_model, ids, 2 + k), r  # every draft accepted, then one more
+    per_pass = len(shard.layers) + 1 if compile_on else 0  # as a decode step's (test above)
+    # Step 0: the prompt and the draft's catch-up over it run directly; the draft's one proposing
+    # pass after its first guess is compiled. Step 1: the verification (1 + k rows a request), then
+    # the draft's catch-up (k + 1 tokens a request) directly and its proposing pass.
+    assert (counted[1] - counted[0], counted[2] - counted[1]) == (per_pass * (k - 1), per_pass * k)
 
 
 def test_chunked_prefill_mixed_with_decodes(family):

@@ -69,6 +69,13 @@ class StepBatch:
         """One token per request: a step whose shapes recur from step to step."""
         return len(self.num_tokens) == self.token_ids.shape[0]
 
+    @property
+    def is_verification(self) -> bool:
+        """Every request scores its last token and as many drafts (a draft model's k): shapes that
+        recur as decode's do. A prompt chunk never counts, whatever its length."""
+        return (len(self.sample_req_ids) == len(self.req_ids) and len({len(d) for d in self.drafts}) == 1
+                and all(n == 1 + len(d) for n, d in zip(self.num_tokens, self.drafts)))
+
 
 def build_batch(table: RequestTable, scheduled, block_size: int, with_state: bool = False) -> StepBatch:
     """with_state: the stage has recurrent layers (each group then gets its StateRows)."""

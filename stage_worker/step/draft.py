@@ -26,6 +26,7 @@ from metal_cluster.kernels import AttentionMetadata
 from metal_cluster.proto import pb
 from metal_cluster.stage_worker.step.attention import LayerContext
 from metal_cluster.stage_worker.step.batch import GroupTables
+from metal_cluster.stage_worker.step.decode_chain import DecodeChain
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.model.model_source import resolve_model
 from metal_cluster.stage_worker.kv.paged_kv import KVPool, bytes_per_block
@@ -58,6 +59,7 @@ class DraftModel:
     pool: KVPool | None = None
     block_size: int = 0
     weights_bytes: int = 0
+    chain: DecodeChain | None = None  # the compiled path of one-token-per-row passes
 
     @classmethod
     def load(cls, path: str, k: int) -> "DraftModel":
@@ -70,7 +72,7 @@ class DraftModel:
         from mlx.utils import tree_flatten
 
         weights = sum(v.nbytes for _, v in tree_flatten(shard.model.parameters()))
-        return cls(shard, k, weights_bytes=weights)
+        return cls(shard, k, weights_bytes=weights, chain=DecodeChain(shard.layers, shard.compile_switch))
 
     def bytes_per_block(self, block_size: int) -> int:
         return bytes_per_block(self.shard.caches, block_size, self.shard.dtype)
@@ -78,14 +80,16 @@ class DraftModel:
     def allocate(self, num_blocks: int, block_size: int, group: int = 0) -> "DraftModel":
         """This draft with a pool of its own (the warm-up's is thrown away)."""
         pool = KVPool.allocate(self.shard.caches, num_blocks, block_size, self.shard.dtype)
-        return DraftModel(self.shard, self.k, group, pool, block_size, self.weights_bytes)
+        return DraftModel(self.shard, self.k, group, pool, block_size, self.weights_bytes, self.chain)
 
     # --- one step ---------------------------------------------------------------------------------
     def follow(self, table, step: pb.StepRequest, gained: dict[str, list[int]], batch=None,
-               hidden: mx.array | None = None) -> list[pb.SpecDraftTokens]:
+               hidden: mx.array | None = None, compiles: bool = False) -> list[pb.SpecDraftTokens]:
         """Catch up with this step's tokens and propose the next drafts. `gained`: the tokens each
         sampling request got this step (its accepted drafts, then its new token). A draft model
-        reads its own hidden states, not the target's (`batch`, `hidden`: see mtp.py)."""
+        reads its own hidden states, not the target's (`batch`, `hidden`: see mtp.py). `compiles`:
+        passes of one token per row (the proposing ones) take the compiled path, as the target's
+        decode steps do (`decode_chain.py`): on a GPU each pass is host-bound."""
         rows, last, histories = [], {}, {}
         for sched in step.scheduled:
             if sched.num_tokens == 0:
@@ -108,7 +112,7 @@ class DraftModel:
                 last[sched.req_id], histories[sched.req_id] = len(rows) - 1, history
         if not rows:
             return []
-        hidden = self._forward(rows)
+        hidden = self._forward(rows, compiles=compiles)
         proposing = [rows[i] for i in last.values()]
         if not proposing or self.k <= 0:
             mx.eval(self.pool.arrays)
@@ -122,7 +126,7 @@ class DraftModel:
             room = [r for r in proposing if r.start < len(r.table) * self.block_size]
             if len(room) < len(proposing):
                 break  # past a request's blocks (vLLM's lookahead always covers k; a guard, not a path)
-            drafts.append(choose(self.shard.logits(self._forward(proposing, drafts[-1])), states))
+            drafts.append(choose(self.shard.logits(self._forward(proposing, drafts[-1], compiles)), states))
             for r in proposing:
                 r.start += 1
         tokens = mx.stack(drafts, axis=1)
@@ -144,14 +148,21 @@ class DraftModel:
             valid += 1
         return valid
 
-    def _forward(self, rows: list[Row], tokens: mx.array | None = None) -> mx.array:
+    def _forward(self, rows: list[Row], tokens: mx.array | None = None, compiles: bool = False) -> mx.array:
         """One pass over the rows' tokens (or one device token per row): their hidden states."""
         batch = paged_batch(rows, self.block_size)
         if tokens is None:
             tokens = mx.array([t for r in rows for t in r.tokens], dtype=mx.int32)
         h = self.shard.embed(tokens)[None]
-        for i, layer in enumerate(self.shard.layers):
-            h = layer(h, None, LayerContext(batch, self.pool, i))
+        switch = self.shard.compile_switch
+        switch.on = compiles and max(batch.groups[0].attn.query_lens_host) == 1
+        try:
+            if switch.on:
+                return self.chain(h, batch, self.pool)[0]
+            for i, layer in enumerate(self.shard.layers):
+                h = layer(h, None, LayerContext(batch, self.pool, i))
+        finally:
+            switch.on = False
         return h[0]
 
 

@@ -85,9 +85,10 @@ class MTPDrafter:
 
     # --- one step ---------------------------------------------------------------------------------
     def follow(self, table, step: pb.StepRequest, gained: dict[str, list[int]], batch,
-               hidden: mx.array) -> list[pb.SpecDraftTokens]:
+               hidden: mx.array, compiles: bool = False) -> list[pb.SpecDraftTokens]:
         """`gained`: the tokens each sampling request got this step (accepted drafts, then its new
-        token); `batch`, `hidden`: the step's packed rows and the last stage's output for them."""
+        token); `batch`, `hidden`: the step's packed rows and the last stage's output for them.
+        `compiles` is the draft model's (one MTP layer runs as it is)."""
         num_drafts = {s.req_id: len(s.draft_token_ids) for s in step.scheduled}
         rows, pieces, proposing, histories = [], [], [], []
         offset = 0

@@ -80,6 +80,9 @@ class StageRunner:
         self.table = RequestTable(pool.num_blocks, pool.layout.windows, pool.block_size, pool.layout.recurrent)
         self.lora = LoRABank(shard.layers, shard.start, shard.dtype, shard.compile_switch)
         self.chain = DecodeChain(shard.layers, shard.compile_switch)  # decode steps' compiled path
+        # Verification steps (1 + k tokens a request) take it too, but a recurrent layer's decode
+        # split steps one token a request.
+        self.verification_compiles = not any(c.state_shapes for c in shard.caches)
         self.blas = BlasThreads()  # on the CPU: OpenBLAS's threads per step's rows
 
     def step(self, step: pb.StepRequest, hidden_in: mx.array | None = None) -> StageOutput:
@@ -118,7 +121,7 @@ class StageRunner:
         if self.draft is not None and batch.req_ids:
             out.resolve()
             gained = {r: [a.token_id for a in out.accepted.get(r, ())] + [s.token_id] for r, s in out.sampled.items()}
-            out.spec_drafts = self.draft.follow(self.table, step, gained, batch, out.last_hidden)
+            out.spec_drafts = self.draft.follow(self.table, step, gained, batch, out.last_hidden, compiles=COMPILE)
         return out
 
     def _run(self, step: pb.StepRequest, batch: StepBatch, hidden_in: mx.array | None = None) -> StageOutput:
@@ -312,7 +315,8 @@ class StageRunner:
         h = h.reshape(1, *h.shape)  # one packed row (a reshape is one node; h[None] and h[0] two)
         self.lora.activate(batch.lora_slots)  # read by the adapted modules while the graph is built
         switch = self.shard.compile_switch
-        switch.on, switch.inputs = COMPILE and batch.is_decode, self.lora.step_inputs()
+        recurs = batch.is_decode or (self.verification_compiles and batch.is_verification)
+        switch.on, switch.inputs = COMPILE and recurs, self.lora.step_inputs()
         try:
             if switch.on:
                 return self.chain(h, batch, self.pool).reshape(h.shape[1:])

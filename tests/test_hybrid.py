@@ -23,6 +23,21 @@ def family(request, tmp_path_factory):
     return resolve_model(folder), ref_model, [tokenizer.encode(p) for p in PROMPTS]
 
 
+
+def test_every_parameter_is_row_contiguous(family):
+    """Qwen3.5-MoE checkpoints fuse each layer's expert gate and up projections, and mlx-lm's
+    sanitize splits them into strided views; MLX's CUDA gather_mm misreads those once routed rows
+    are sorted by expert (bench/README.md, "Qwen3.5-MoE in bf16 on CUDA"). The stage keeps none:
+    this CPU checks the layout the GPU depends on (a view exports as a non-contiguous buffer)."""
+    from mlx.utils import tree_flatten
+
+    from metal_cluster.stage_worker.model.shard import load_shard
+
+    source = family[0]
+    params = tree_flatten(load_shard(source).model.parameters())
+    assert [name for name, p in params if not memoryview(p).c_contiguous] == []
+    assert any(".switch_mlp." in name for name, _ in params) or source.config["model_type"] != "qwen3_5_moe"
+
 # --- through `serve`: vLLM's hybrid KV cache manager over MambaSpec groups, align mode ---------------
 # 20 blocks (of 48 tokens: the block size that makes a K/V page hold a state page): 8 requests of
 # 20-34 prompt tokens take 3 blocks each to start (one K/V, one state block per recurrent group),

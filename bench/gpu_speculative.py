@@ -2,10 +2,14 @@
 """Speculative decoding's draft-model and MTP paths on the GPU machine: plain vs speculating `serve`,
 side by side in one run (bench/speculative.py's `side_by_side`), at the acceptance each reaches.
 
-Random weights, so acceptance is what the drafts happen to reach, and three drafters bracket it:
+Random weights, so acceptance is what the drafts happen to reach, and the drafters bracket it:
   draft-layers  the target's own first 4 of 36 layers with its embedding, final norm and head
                 (gpu_serving's weights are drawn per tensor name, so a 4-layer Qwen3-8B folder holds
-                exactly those): a cheap draft that agrees with the target often (layer-skip drafting);
+                exactly those): a cheap draft (layer-skip drafting); random layers all change the
+                prediction, so it is seldom right (measured 2026-12-03: 0.1 %);
+  draft-agree   the same draft against a target whose layers past the fourth add LATE_SCALE of
+                what they would (their o_proj and down_proj scaled): a target the draft often
+                agrees with, so speed is measured at an acceptance between the bounds;
   draft-small   a random Qwen3-0.6B-shaped model of the same vocab: a real draft's cost, and
                 nearly every draft rejected (the lower bound);
   mtp           a random DeepSeek-V3-style MoE with MLA and one multi-token-prediction layer.
@@ -40,6 +44,7 @@ from tiny_models import build_tiny_model  # noqa: E402
 DRAFT_TOKENS = 4
 MTP_TOKENS = 2
 DRAFT_LAYERS = 4
+LATE_SCALE = 0.1  # draft-agree: how much the target's layers past the draft's still add
 # Qwen3-0.6B's shape (tied embedding), on Qwen3-8B's vocab.
 QWEN3_06B = {**gpu_serving.QWEN3_8B, "num_hidden_layers": 28, "hidden_size": 1024, "intermediate_size": 3072,
              "num_attention_heads": 16, "num_key_value_heads": 8, "tie_word_embeddings": True}
@@ -60,6 +65,23 @@ def qwen3_folder(work_dir: Path, config: dict, tiny: bool) -> Path:
     return folder
 
 
+def agreeing_target(work_dir: Path, config: dict, layers: int, tiny: bool) -> Path:
+    """The Qwen3-8B-shaped folder with the output projections of every layer past `layers` scaled by
+    LATE_SCALE: the first layers, embedding and head are the plain folder's, the rest perturb less."""
+    marked = {**config, "bench_late_layer_scale": LATE_SCALE, "bench_late_layer_start": layers}
+    folder = work_dir / (gpu_serving.folder_names(work_dir, config, tiny)["bf16"].name + f"-late{LATE_SCALE}")
+    if not gpu_serving.complete(folder, marked):
+        model = gpu_serving.random_model(config)
+        for layer in model.model.layers[layers:]:
+            layer.self_attn.o_proj.weight = layer.self_attn.o_proj.weight * LATE_SCALE
+            layer.mlp.down_proj.weight = layer.mlp.down_proj.weight * LATE_SCALE
+        gpu_serving.write_folder(folder, model, marked, tiny)
+        del model
+        gpu_serving.free()
+    gpu_e2e.write_tokenizer(folder, config["vocab_size"])
+    return folder
+
+
 def mtp_folder(work_dir: Path, tiny: bool) -> Path:
     shape = TINY_MTP_SHAPE if tiny else MTP_SHAPE
     folder = work_dir / ("deepseek-v3-mtp-small" if tiny else "deepseek-v3-mtp-8l")
@@ -75,15 +97,17 @@ def plan(method: str, work_dir: Path, tiny: bool) -> tuple[Path, dict]:
     target_config = gpu_serving.SHAPES["qwen3-8b"][1 if tiny else 0]
     if method == "mtp":
         return mtp_folder(work_dir, tiny), {"method": "mtp", "num_speculative_tokens": MTP_TOKENS}
-    if method == "draft-layers":
-        draft_config = {**target_config, "num_hidden_layers": min(DRAFT_LAYERS, target_config["num_hidden_layers"] - 1)}
+    if method in ("draft-layers", "draft-agree"):
+        layers = min(DRAFT_LAYERS, target_config["num_hidden_layers"] - 1)
+        draft_config = {**target_config, "num_hidden_layers": layers}
     else:
         draft_config = {**QWEN3_06B, "vocab_size": target_config["vocab_size"]}
         if tiny:
             draft_config.update(num_hidden_layers=2, hidden_size=128, intermediate_size=256, num_attention_heads=2,
                                 num_key_value_heads=1, head_dim=64)
     draft = qwen3_folder(work_dir, draft_config, tiny)
-    target = qwen3_folder(work_dir, target_config, tiny)
+    target = (agreeing_target(work_dir, target_config, layers, tiny) if method == "draft-agree"
+              else qwen3_folder(work_dir, target_config, tiny))
     return target, {"method": "draft_model", "model": str(draft), "num_speculative_tokens": DRAFT_TOKENS}
 
 

@@ -13,13 +13,14 @@ Random weights, so acceptance is what the drafts happen to reach, and the drafte
   draft-small   a random Qwen3-0.6B-shaped model of the same vocab: a real draft's cost, and
                 nearly every draft rejected (the lower bound);
   mtp           a random DeepSeek-V3-style MoE with MLA and one multi-token-prediction layer.
-Targets: gpu_serving's Qwen3-8B-shaped bf16 folder (with gpu_e2e's tokenizer) for the draft models.
+The draft models' target: gpu_serving's Qwen3-8B-shaped bf16 folder (with gpu_e2e's tokenizer), or
+for draft-agree its copy with the late layers scaled.
 Every answer is greedy and runs to --max-tokens (ignore_eos); per method, tokens per second per stream
 and the time per target step (tokens per draft step / spec tok/s at concurrency 1) let one read off
 the speed at another acceptance rate.
 
 On the GPU machine (bench/gpu_machine.sh a, b and c: MLX CUDA and vLLM):
-    python3 bench/gpu_speculative.py [--methods draft-layers,draft-small,mtp] [--json $OUT/gpu_speculative.json]
+    python3 bench/gpu_speculative.py [--methods draft-agree,draft-layers,mtp,draft-small] [--json $OUT/gpu_speculative.json]
 Here, the whole path on tiny shapes (MLX's CPU backend):
     .venv/bin/python bench/gpu_speculative.py --tiny --methods draft-layers --concurrency 1 --repeats 1
 """

@@ -114,7 +114,7 @@ def plan(method: str, work_dir: Path, tiny: bool) -> tuple[Path, dict]:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--methods", default="draft-layers,draft-small,mtp")
+    parser.add_argument("--methods", default="draft-agree,draft-layers,mtp,draft-small")
     parser.add_argument("--concurrency", default="1,8")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)

@@ -10,7 +10,7 @@ from collections import Counter
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 from mlx_lm.utils import dequantize_model
 
 NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
@@ -54,11 +54,18 @@ def model_weights(model: nn.Module) -> dict[str, mx.array]:
 
 
 def settle(model: nn.Module, dtype: mx.Dtype) -> None:
-    """Cast the model to its stage's compute dtype, in place (lazily: nothing is read yet).
+    """Cast the model to its stage's compute dtype, in place (lazily: nothing is read yet), every
+    parameter in its own row-major buffer.
 
     Parameters the model's `cast_predicate` excludes keep their stored dtype, as mlx-lm keeps them
     (DeepSeek V3's and GLM's float32 routing biases: rounded, they would pick other experts).
-    float32 (the CPU path) also dequantizes: scales go to float32 first, so the values are exact."""
+    float32 (the CPU path) also dequantizes: scales go to float32 first, so the values are exact.
+
+    Own buffers: mlx-lm's sanitize splits fused checkpoint tensors into strided views (Qwen3.5-MoE's
+    experts.gate_up_proj into gate and up halves), and a cast to the dtype they have keeps them views,
+    as on a GPU. MLX's CUDA gather_mm reads such a strided expert stack wrongly once the routed rows
+    are sorted by expert (64 or more: packed batches, long prompts); measured on the H200, the first
+    MoE layer's output was noise (bench/README.md). mx.contiguous is a no-op for the others."""
     cast = getattr(model, "cast_predicate", None)
     if cast is None:
         model.set_dtype(dtype)
@@ -67,3 +74,4 @@ def settle(model: nn.Module, dtype: mx.Dtype) -> None:
                                      if cast(k) and mx.issubdtype(v.dtype, mx.floating)]), strict=False)
     if dtype == mx.float32:
         dequantize_model(model)
+    model.update(tree_map(mx.contiguous, model.parameters()))

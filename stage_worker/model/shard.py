@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_map
 from mlx_lm.utils import _get_classes, load_model
 
 from metal_cluster.stage_worker.model import classifier, dtypes
@@ -80,7 +79,6 @@ def load_shard(source: ModelSource, start: int = 0, end: int | None = None,
         _check_fetched(model, start, fetched, source.folder)
     dtype = dtypes.compute_dtype(dtypes.model_weights(model), gpu)
     dtypes.settle(model, dtype)
-    _make_contiguous(model)
     mx.eval(model.parameters())
     caches = family.layer_caches(config)[start:end]
     switch = CompileSwitch()
@@ -89,17 +87,6 @@ def load_shard(source: ModelSource, start: int = 0, end: int | None = None,
         compiled.attach(layer, switch)
     return ModelShard(model=model, config=config, start=start, end=end, num_layers=num_layers, family=family,
                       caches=caches, dtype=dtype, compile_switch=switch)
-
-
-def _make_contiguous(model: nn.Module) -> None:
-    """Every parameter in its own row-major buffer (lazily; a no-op for those that already are).
-
-    mlx-lm's sanitize splits fused checkpoint tensors into strided views (Qwen3.5-MoE's
-    experts.gate_up_proj into gate and up halves), and the dtype cast keeps them views when the
-    dtype does not change, as on a GPU. MLX's CUDA gather_mm reads such a strided expert stack
-    wrongly once the routed rows are sorted by expert (64 or more, i.e. packed batches and long
-    prompts): measured on the H200, the first MoE layer's output was noise (bench/README.md)."""
-    model.update(tree_map(mx.contiguous, model.parameters()))
 
 
 def _load_folder_model(source: ModelSource, family: Family, config: dict) -> nn.Module:

@@ -31,6 +31,19 @@ class DecodeChain:
         self.tails = [Traced(self._traced(self._tail, i), self) for i in range(n)]
         self.counts = (0, 0)  # (parts from the middle, arrays the next mixer reads) of the call being traced
 
+    def run(self, h: mx.array, batch, pool, compiled: bool, inputs: tuple = ()) -> mx.array:
+        """h [1, T, hidden] through every layer: through the traces when `compiled` (a step whose
+        shapes recur), else each block as it is. `inputs`: the step state the traces read (LoRA's)."""
+        self.switch.on, self.switch.inputs = compiled, inputs
+        try:
+            if compiled:
+                return self(h, batch, pool)
+            for i, layer in enumerate(self.layers):
+                h = layer(h, None, LayerContext(batch, pool, i))
+            return h
+        finally:
+            self.switch.on, self.switch.inputs = False, ()
+
     def __call__(self, h: mx.array, batch, pool) -> mx.array:
         """h [1, T, hidden] through every layer; the switch is on."""
         parts, n = None, len(self.layers)

@@ -24,7 +24,6 @@ import numpy as np
 
 from metal_cluster.kernels import AttentionMetadata
 from metal_cluster.proto import pb
-from metal_cluster.stage_worker.step.attention import LayerContext
 from metal_cluster.stage_worker.step.batch import GroupTables
 from metal_cluster.stage_worker.step.decode_chain import DecodeChain
 from metal_cluster.stage_worker.errors import ModelLoadError
@@ -154,15 +153,7 @@ class DraftModel:
         if tokens is None:
             tokens = mx.array([t for r in rows for t in r.tokens], dtype=mx.int32)
         h = self.shard.embed(tokens)[None]
-        switch = self.shard.compile_switch
-        switch.on = compiles and max(batch.groups[0].attn.query_lens_host) == 1
-        try:
-            if switch.on:
-                return self.chain(h, batch, self.pool)[0]
-            for i, layer in enumerate(self.shard.layers):
-                h = layer(h, None, LayerContext(batch, self.pool, i))
-        finally:
-            switch.on = False
+        h = self.chain.run(h, batch, self.pool, compiles and max(batch.groups[0].attn.query_lens_host) == 1)
         return h[0]
 
 

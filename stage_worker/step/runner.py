@@ -13,7 +13,6 @@ import mlx.core as mx
 import numpy as np
 
 from metal_cluster.proto import pb
-from metal_cluster.stage_worker.step.attention import LayerContext
 from metal_cluster.stage_worker.step.batch import StepBatch, build_batch
 from metal_cluster.stage_worker.step.blas_threads import BlasThreads
 from metal_cluster.stage_worker.step.decode_chain import DecodeChain
@@ -80,9 +79,7 @@ class StageRunner:
         self.table = RequestTable(pool.num_blocks, pool.layout.windows, pool.block_size, pool.layout.recurrent)
         self.lora = LoRABank(shard.layers, shard.start, shard.dtype, shard.compile_switch)
         self.chain = DecodeChain(shard.layers, shard.compile_switch)  # decode steps' compiled path
-        # Verification steps (1 + k tokens a request) take it too, but a recurrent layer's decode
-        # split steps one token a request.
-        self.verification_compiles = not any(c.state_shapes for c in shard.caches)
+        self.recurrent = any(pool.is_state)  # a recurrent layer's decode split steps one token a request
         self.blas = BlasThreads()  # on the CPU: OpenBLAS's threads per step's rows
 
     def step(self, step: pb.StepRequest, hidden_in: mx.array | None = None) -> StageOutput:
@@ -100,7 +97,7 @@ class StageRunner:
         self.pool.copy_blocks([(c.src, c.dst) for c in step.block_copies])
         if self.draft is not None:
             self.draft.pool.copy_blocks([(c.src, c.dst) for c in step.block_copies])
-        batch = build_batch(self.table, step.scheduled, self.pool.block_size, any(self.pool.is_state))
+        batch = build_batch(self.table, step.scheduled, self.pool.block_size, self.recurrent)
         batch.lora_slots = self._lora_slots(batch)
         return batch
 
@@ -314,17 +311,12 @@ class StageRunner:
             h = hidden_in
         h = h.reshape(1, *h.shape)  # one packed row (a reshape is one node; h[None] and h[0] two)
         self.lora.activate(batch.lora_slots)  # read by the adapted modules while the graph is built
-        switch = self.shard.compile_switch
-        recurs = batch.is_decode or (self.verification_compiles and batch.is_verification)
-        switch.on, switch.inputs = COMPILE and recurs, self.lora.step_inputs()
+        # Verification steps (1 + k tokens a request) recur too, where no layer is recurrent.
+        recurs = batch.is_decode or (not self.recurrent and batch.is_verification)
         try:
-            if switch.on:
-                return self.chain(h, batch, self.pool).reshape(h.shape[1:])
-            for i, layer in enumerate(self.shard.layers):
-                h = layer(h, None, LayerContext(batch, self.pool, i))
+            h = self.chain.run(h, batch, self.pool, COMPILE and recurs, self.lora.step_inputs())
         finally:
             self.lora.activate(None)
-            switch.on, switch.inputs = False, ()
         return h.reshape(h.shape[1:])
 
 

@@ -6,9 +6,12 @@ One object per engine, handed from the executor to the scheduler through vLLM's 
 thing both are built from), under CONTROL_KEY of `additional_config`, the platform's own slot.
 """
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
+
+log = logging.getLogger("vllm.metal_cluster.control")
 
 CONTROL_KEY = "metal_cluster_control"
 MAX_EVENTS = 20
@@ -107,6 +110,8 @@ class ClusterControl:
     def note_requests(self, held: int, resumed: int = 0, lost: int = 0) -> None:
         """The scheduler's count of requests held through an outage, and of how they came out of it."""
         with self.changed:
+            if held != self.requests_held:
+                log.info("cluster: requests held for the new plan: %d", held)
             self.requests_held = held
             self.requests_resumed += resumed
             self.requests_lost += lost

@@ -560,23 +560,40 @@ def ours_in_process(folder: Path, config: dict, wl: Workload, measures, utilizat
     return out
 
 
-def b1_side_by_side(folder: Path, config: dict, wl: Workload, utilization: float, ahead: bool) -> dict:
+def b1_side_by_side(folder: Path, config: dict, wl: Workload, utilization: float, ahead: bool,
+                    unfused: bool = False) -> dict:
     """Batch-1 decode of mlx-lm and of our stage, both loaded at once, measured in alternating
     rounds: a host-bound step moves with the machine by tens of percent within minutes (see
-    bench/README.md), so each round's ratio compares two measurements seconds apart."""
+    bench/README.md), so each round's ratio compares two measurements seconds apart. `unfused`: a
+    third contender, our stage loaded with METAL_CLUSTER_FUSE=0 (q/k/v and gate/up as separate
+    matmuls, `stage_worker/model/fuse.py`), in the same rounds."""
     from mlx_lm.utils import load
+
+    from metal_cluster.stage_worker.model import fuse
 
     tokens = prompt(wl.decode_prompt, config["vocab_size"], 1)
     model, _ = load(str(folder))
     rounds = []
     try:
-        with our_stage(folder, config, wl, utilization, ahead) as (built, driver):
+        with contextlib.ExitStack() as stack:
+            built, driver = stack.enter_context(our_stage(folder, config, wl, utilization, ahead))
+            plain = None
+            if unfused:
+                fuse.FUSE = False
+                try:
+                    _, plain = stack.enter_context(our_stage(folder, config, wl, utilization, ahead))
+                finally:
+                    fuse.FUSE = True
             for i in range(wl.b1_rounds):
                 theirs = mlx_lm_batch1(model, tokens, wl.warm, wl.steps)
                 ours = ours_decode(driver, [tokens], wl.warm, wl.steps)
                 rounds.append(dict(mlx_lm=theirs["tok_s"], ours=ours["tok_s"]))
-                print(f"  b1 round {i + 1}: mlx-lm {theirs['tok_s']:.1f}, ours {ours['tok_s']:.1f} tok/s "
-                      f"({ours['tok_s'] / theirs['tok_s']:.2f}x)", flush=True)
+                line = (f"  b1 round {i + 1}: mlx-lm {theirs['tok_s']:.1f}, ours {ours['tok_s']:.1f} tok/s "
+                        f"({ours['tok_s'] / theirs['tok_s']:.2f}x)")
+                if plain is not None:
+                    rounds[-1]["ours_unfused"] = ours_decode(plain, [tokens], wl.warm, wl.steps)["tok_s"]
+                    line += f", ours unfused {rounds[-1]['ours_unfused']:.1f}"
+                print(line, flush=True)
     finally:
         del model
         free()
@@ -586,8 +603,12 @@ def b1_side_by_side(folder: Path, config: dict, wl: Workload, utilization: float
         return dict(tok_s=statistics.median(values), rounds=values, tokens=wl.steps)
 
     ratios = [r["ours"] / r["mlx_lm"] for r in rounds]
-    return dict(mlx_lm=side("mlx_lm"), ours=side("ours"), ratio_median=statistics.median(ratios),
-                ratios=ratios, built=built)
+    out = dict(mlx_lm=side("mlx_lm"), ours=side("ours"), ratio_median=statistics.median(ratios),
+               ratios=ratios, built=built)
+    if unfused:
+        out["ours_unfused"] = side("ours_unfused")
+        out["unfused_ratio_median"] = statistics.median(r["ours_unfused"] / r["mlx_lm"] for r in rounds)
+    return out
 
 
 def ours_pipeline(folder: Path, config: dict, wl: Workload, measures, utilization: float, step_timeout: float) -> dict:
@@ -725,6 +746,9 @@ def notes(results: dict) -> list[str]:
         if "ratios" in pair:
             out.append(f"{fmt}: batch 1, both loaded at once, {len(pair['ratios'])} alternating rounds: ours / mlx-lm "
                        f"{', '.join(f'{x:.2f}' for x in pair['ratios'])} (median {pair['ratio_median']:.2f})")
+        if "unfused" in pair:
+            out.append(f"{fmt}: batch 1, ours with q/k/v and gate/up unfused: {pair['unfused']['tok_s']:.1f} tok/s "
+                       f"(median of the rounds; / mlx-lm {pair['unfused_ratio_median']:.2f})")
         o = r.get("ours", {})
         if "pool_dtype" in o:
             mode = "one step ahead (async scheduling)" if o.get("ahead") else "one step at a time"
@@ -771,6 +795,8 @@ def main():
     ap.add_argument("--small", action="store_true", help="a tiny shape and workload: a smoke test for the CPU")
     ap.add_argument("--memory-utilization", type=float, default=0.5, help="as serve's --gpu-memory-utilization")
     ap.add_argument("--step-timeout", type=float, default=60.0, help="seconds a pipeline step may take")
+    ap.add_argument("--b1-unfused", action="store_true",
+                    help="batch 1 side by side: also our stage with q/k/v and gate/up unfused (METAL_CLUSTER_FUSE=0)")
     ap.add_argument("--sync", action="store_true",
                     help="one stage without async scheduling (as serve with METAL_CLUSTER_NO_OVERLAP=1)")
     args = ap.parse_args()
@@ -807,8 +833,11 @@ def main():
         if "b1" in measures and {"mlx-lm", "ours"} <= set(sections):
             started = time.perf_counter()
             try:
-                pair = b1_side_by_side(folder, config, wl, args.memory_utilization, not args.sync)
+                pair = b1_side_by_side(folder, config, wl, args.memory_utilization, not args.sync, args.b1_unfused)
                 r["b1_side_by_side"] = dict(ratio_median=pair["ratio_median"], ratios=pair["ratios"])
+                if "ours_unfused" in pair:
+                    r["b1_side_by_side"].update(unfused=pair["ours_unfused"],
+                                                unfused_ratio_median=pair["unfused_ratio_median"])
                 r["mlx_lm"], r["ours"] = dict(decode_b1=pair["mlx_lm"]), dict(decode_b1=pair["ours"], **pair["built"])
             except Exception as e:
                 traceback.print_exc()

@@ -28,6 +28,7 @@ from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.stage_worker.net.auth import TOKEN_ENV
 from metal_cluster.stage_worker.host import StageHost
 from metal_cluster.stage_worker.families import Family
+from metal_cluster.stage_worker.model import fuse
 from metal_cluster.stage_worker.model.model_source import resolve_model
 from references import mlx_lm_greedy
 from scheduler_double import SchedulerDouble
@@ -229,6 +230,10 @@ def test_bf16_checkpoint_computes_in_bf16(bf16_run):
     assert_stage_computes_in(bf16_run["host"], bf16_run["assigned"], bf16_run["folder"], mx.bfloat16)
     # The lm_head's output is bf16: the activations stayed bf16 all the way (nothing promoted them).
     assert bf16_run["logits_dtypes"] == {mx.bfloat16}
+    # On a GPU the dense families load with q/k/v and gate/up fused (model/fuse.py); the logit
+    # comparison below then covers the fused layers.
+    shard = bf16_run["host"].shard
+    assert [fuse.is_fused(layer) for layer in shard.layers] == [shard.family.fuses_projections] * len(shard.layers)
 
 
 @requires_gpu

@@ -74,6 +74,9 @@ class Family:
     serving_gap: str | None = None
     # Some layers are recurrent (LayerCache.state_shapes): vLLM must treat the model as hybrid.
     hybrid = False
+    # Its layers are mlx-lm's plain ones (q/k/v projections, a SwiGLU MLP): on a GPU they load with
+    # those fused into fewer matmuls (`model/fuse.py`).
+    fuses_projections = False
 
     # --- the paged pool ----------------------------------------------------------------------------
     def layer_caches(self, config: dict) -> list[LayerCache]:

@@ -11,9 +11,11 @@ from metal_cluster.stage_worker.families.base import Family
 class Llama(Family):
     model_types = ("llama", "mistral")
     architectures = ("LlamaForCausalLM", "MistralForCausalLM")
+    fuses_projections = True
 
 
 class Qwen(Family):
     model_types = ("qwen2", "qwen3")
     architectures = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
     reads_sliding_window = False
+    fuses_projections = True

@@ -14,7 +14,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import _get_classes, load_model
 
-from metal_cluster.stage_worker.model import classifier, dtypes
+from metal_cluster.stage_worker.model import classifier, dtypes, fuse
 from metal_cluster.stage_worker.step import compiled
 from metal_cluster.stage_worker.step.compiled import CompileSwitch
 from metal_cluster.stage_worker.errors import ModelLoadError
@@ -82,8 +82,11 @@ def load_shard(source: ModelSource, start: int = 0, end: int | None = None,
     mx.eval(model.parameters())
     caches = family.layer_caches(config)[start:end]
     switch = CompileSwitch()
+    fused = gpu and fuse.FUSE and family.fuses_projections
     for layer, cache in zip(family.inner(model).layers, caches):
         family.wrap_layer(layer, cache)
+        if fused:
+            fuse.fuse_layer(layer)
         compiled.attach(layer, switch)
     return ModelShard(model=model, config=config, start=start, end=end, num_layers=num_layers, family=family,
                       caches=caches, dtype=dtype, compile_switch=switch)

@@ -33,11 +33,15 @@ class PagedAttention(SplitMixer):
         self.n_heads, self.n_kv_heads, self.scale = n_heads, n_kv_heads, scale
         self.sliding_window = sliding_window
         self.has_sinks = sinks is not None  # the sinks stay a parameter of `inner`
+        # On a GPU q/k/v may be one module (`model/fuse.py`): self.qkv, split at these columns.
+        self.qkv_split: list[int] | None = None
 
     # The split for the compiled decode step (`compiled.SplitMixer`): projections, norms and RoPE;
     # K/V into the pool and attention; o_proj.
     def before(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         a = self.inner
+        if self.qkv_split is not None:
+            return self.prepare(*mx.split(self.qkv(x), self.qkv_split, axis=-1), positions)
         return self.prepare(a.q_proj(x), a.k_proj(x), a.v_proj(x), positions)
 
     def middle(self, parts, cache: LayerContext) -> tuple[mx.array]:

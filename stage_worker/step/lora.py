@@ -19,6 +19,7 @@ import mlx.nn as nn
 import numpy as np
 
 from metal_cluster.proto import pb
+from metal_cluster.stage_worker.model import fuse
 from metal_cluster.stage_worker.step.compiled import CompileSwitch
 from metal_cluster.stage_worker.step.request_table import StepError
 
@@ -93,6 +94,10 @@ class LoRABank:
         if (self.max_loras, self.max_rank) not in ((0, 0), (req.max_loras, req.max_rank)):
             raise LoRAError(f"this stage holds adapters for {self.max_loras} slots of rank {self.max_rank}, "
                             f"not {req.max_loras} of rank {req.max_rank}")
+        for local in {t.layer - self.start for t in req.tensors}:
+            # An adapter wraps q_proj, gate_proj, ...: a layer loaded fused gets them back.
+            if 0 <= local < len(self.layers) and fuse.unfuse_layer(self.layers[local]):
+                self.switch.generation += 1
         weights = {}
         for t in req.tensors:
             local = t.layer - self.start

@@ -1,0 +1,127 @@
+"""Fused projections on a GPU: a layer's q/k/v as one matmul, and its MLP's gate/up as one.
+
+At batch 1 a decode step on a GPU is a chain of small matrix-vector products, each its own kernel;
+the host encodes every one and the device runs each below its bandwidth. Reading q, k and v's
+weights in one product (and gate and up's in one) is the same bytes in fewer, larger kernels: 3 of
+Qwen3-8B's 7 products per layer go. vLLM's CUDA models keep their weights fused the same way.
+
+Not on the CPU backend: OpenBLAS blocks a product by its shape, so a fused prompt's values differ in
+the last bits from mlx-lm's separate ones, and the CPU path is token-exact against mlx-lm.
+
+A layer is fused at load when its family says its attention and MLP are mlx-lm's plain ones
+(`Family.fuses_projections`), and split back (`unfuse_layer`) when a LoRA adapter adapts one of
+the fused modules, which then need their own weights again.
+"""
+
+import copy
+import os
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
+
+# METAL_CLUSTER_FUSE=0 loads every layer unfused (the benches' A/B switch).
+FUSE = os.environ.get("METAL_CLUSTER_FUSE", "1") != "0"
+
+ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj")
+MLP_PARTS = ("gate_proj", "up_proj")
+
+
+class SwiGLU(nn.Module):
+    """mlx-lm's gated MLP, down(silu(gate(x)) * up(x)), with gate and up read as one product."""
+
+    def __init__(self, original: nn.Module, gate_up: nn.Module, width: int):
+        super().__init__()
+        self.gate_up, self.down_proj, self.width = gate_up, original.down_proj, width
+        object.__setattr__(self, "original", original)  # what unfusing restores; not in the module tree
+
+    def __call__(self, x: mx.array) -> mx.array:
+        gate, up = mx.split(self.gate_up(x), [self.width], axis=-1)
+        return self.down_proj(swiglu(gate, up))
+
+
+def fuse_layer(layer: nn.Module) -> None:
+    """Fuse one wrapped decoder layer's q/k/v (its `PagedAttention`) and its gated MLP, in place."""
+    attn = layer.self_attn
+    parts = [attn.inner[name] for name in ATTENTION_PARTS]
+    if _compatible(parts):
+        attn.qkv, attn.qkv_split = _concat(parts), _offsets(parts)
+        for name in ATTENTION_PARTS:
+            del attn.inner[name]
+    mlp = layer.mlp
+    parts = [mlp[name] for name in MLP_PARTS] if all(n in mlp for n in MLP_PARTS) else []
+    if parts and _compatible(parts):
+        layer.mlp = SwiGLU(mlp, _concat(parts), _offsets(parts)[0])
+        for name in MLP_PARTS:
+            del mlp[name]
+    mx.eval(layer.parameters())  # the fused copies now; the separate ones go with their last reference
+
+
+def unfuse_layer(layer: nn.Module) -> bool:
+    """Give a fused layer its separate modules back (a LoRA adapter wraps them); False if it was not fused."""
+    undone = False
+    attn = layer.self_attn
+    if "qkv" in attn:
+        for name, part in zip(ATTENTION_PARTS, _split(attn.qkv, attn.qkv_split)):
+            attn.inner[name] = part
+        del attn["qkv"]
+        attn.qkv_split, undone = None, True
+    if isinstance(layer.mlp, SwiGLU):
+        fused = layer.mlp
+        for name, part in zip(MLP_PARTS, _split(fused.gate_up, [fused.width])):
+            fused.original[name] = part
+        layer.mlp, undone = fused.original, True
+    if undone:
+        mx.eval(layer.parameters())
+    return undone
+
+
+def is_fused(layer: nn.Module) -> bool:
+    return "qkv" in layer.self_attn or isinstance(layer.mlp, SwiGLU)
+
+
+# --- linear modules side by side ----------------------------------------------------------------
+def _compatible(parts: list[nn.Module]) -> bool:
+    """Same class, same input, same quantization, all with or all without a bias."""
+    first = parts[0]
+    if type(first) not in (nn.Linear, nn.QuantizedLinear) or any(type(p) is not type(first) for p in parts):
+        return False
+    if any(("bias" in p) != ("bias" in first) for p in parts):
+        return False
+    if isinstance(first, nn.QuantizedLinear):
+        same = ("group_size", "bits", "mode")
+        if any(getattr(p, a, None) != getattr(first, a, None) for p in parts for a in same):
+            return False
+    return all(p.weight.shape[1:] == first.weight.shape[1:] and p.weight.dtype == first.weight.dtype for p in parts)
+
+
+def _arrays(module: nn.Module) -> list[str]:
+    return [k for k in ("weight", "scales", "biases", "bias") if k in module]
+
+
+def _concat(parts: list[nn.Module]) -> nn.Module:
+    """One module whose output is the parts' outputs side by side (their rows stacked)."""
+    fused = copy.copy(parts[0])  # keeps the class and its quantization settings
+    for key in _arrays(parts[0]):
+        fused[key] = mx.concatenate([p[key] for p in parts], axis=0)
+    return fused
+
+
+def _offsets(parts: list[nn.Module]) -> list[int]:
+    """Where each part's output columns end, but the last: mx.split's indices."""
+    ends, total = [], 0
+    for p in parts[:-1]:
+        total += p.weight.shape[0]
+        ends.append(total)
+    return ends
+
+
+def _split(fused: nn.Module, offsets: list[int]) -> list[nn.Module]:
+    bounds = [0, *offsets, fused.weight.shape[0]]
+    parts = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        part = copy.copy(fused)
+        for key in _arrays(fused):
+            part[key] = mx.contiguous(fused[key][lo:hi])
+        parts.append(part)
+    return parts

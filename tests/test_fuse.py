@@ -10,10 +10,11 @@ from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.utils import load
 
+import tiny_models
 from lora_fixtures import fused_model
 from metal_cluster.coordinator.engine.lora_adapters import read_adapter
 from metal_cluster.kernels import gpu_backend
-from metal_cluster.stage_worker.families import LayerCache
+from metal_cluster.stage_worker.families import REGISTRY, LayerCache
 from metal_cluster.stage_worker.families.dense import Llama
 from metal_cluster.stage_worker.kv.paged_kv import KVPool
 from metal_cluster.stage_worker.model import fuse
@@ -50,14 +51,23 @@ def greedy(runner, prompts: dict[str, list[int]], max_tokens: int, lora: int = 0
     return sched.run()
 
 
-def test_a_fused_stage_decodes_as_mlx_lm(tiny_model):
-    """llama, qwen2 (q/k/v biases) and qwen3 (q/k norms after the split): packed prompts, chunked
-    beside decodes, then compiled decode steps, all through the fused layers."""
-    ref, tokenizer = load(str(tiny_model))
-    runner = fused_runner(tiny_model)
+@pytest.fixture(scope="module", params=[f for f in tiny_models.FAMILIES + tiny_models.MORE_FAMILIES
+                                        if REGISTRY[f].fuses_projections])
+def fusing_model(request, tmp_path_factory):
+    return tiny_models.build_tiny_model(request.param, tmp_path_factory.mktemp(f"{request.param}-fused"))
+
+
+def test_a_fused_stage_decodes_as_mlx_lm(fusing_model):
+    """llama, qwen2 (q/k/v biases), qwen3 (q/k norms after the split), and the attention of
+    qwen3_moe and mixtral (whose experts stay as they are): packed prompts, chunked beside decodes,
+    then compiled decode steps, all through the fused layers."""
+    ref, tokenizer = load(str(fusing_model))
+    runner = fused_runner(fusing_model)
+    moe = runner.shard.config["model_type"] in ("qwen3_moe", "mixtral")
     for layer in runner.shard.layers:
         assert "qkv" in layer.self_attn and not any(n in layer.self_attn.inner for n in fuse.ATTENTION_PARTS)
-        assert isinstance(layer.mlp, fuse.SwiGLU) and not any(n in layer.mlp.original for n in fuse.MLP_PARTS)
+        if not moe:
+            assert isinstance(layer.mlp, fuse.SwiGLU) and not any(n in layer.mlp.original for n in fuse.MLP_PARTS)
     prompts = {f"r{i}": tokenizer.encode(p) for i, p in enumerate(PROMPTS)}
     got = greedy(runner, prompts, 12)
     assert got == {r: mlx_lm_greedy(ref, ids, 12) for r, ids in prompts.items()}

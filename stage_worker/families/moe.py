@@ -17,6 +17,7 @@ class Qwen3Moe(Family):
     model_types = ("qwen3_moe",)
     architectures = ("Qwen3MoeForCausalLM",)
     reads_sliding_window = False
+    fuses_projections = True  # q/k/v; the dense MLPs of its mlp_only_layers too
 
     def check_weights(self, config, where):
         _need(config, where, "num_experts", "num_experts_per_tok", "moe_intermediate_size")
@@ -26,6 +27,7 @@ class Mixtral(Family):
     model_types = ("mixtral",)
     architectures = ("MixtralForCausalLM",)
     reads_sliding_window = False  # mlx-lm's mixtral attends to the whole context
+    fuses_projections = True  # q/k/v (its experts are one SwitchGLU already)
 
     def kv_geometry(self, config):
         return config.get("num_key_value_heads") or config["num_attention_heads"], \

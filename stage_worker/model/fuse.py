@@ -48,8 +48,8 @@ def fuse_layer(layer: nn.Module) -> None:
         attn.qkv, attn.qkv_split = _concat(parts), _offsets(parts)
         for name in ATTENTION_PARTS:
             del attn.inner[name]
-    mlp = layer.mlp
-    parts = [mlp[name] for name in MLP_PARTS] if all(n in mlp for n in MLP_PARTS) else []
+    mlp = layer.get("mlp")  # a MoE block has no gate_proj; Mixtral's layers call theirs otherwise
+    parts = [mlp[name] for name in MLP_PARTS] if mlp is not None and all(n in mlp for n in MLP_PARTS) else []
     if parts and _compatible(parts):
         layer.mlp = SwiGLU(mlp, _concat(parts), _offsets(parts)[0])
         for name in MLP_PARTS:
@@ -66,7 +66,7 @@ def unfuse_layer(layer: nn.Module) -> bool:
             attn.inner[name] = part
         del attn["qkv"]
         attn.qkv_split, undone = None, True
-    if isinstance(layer.mlp, SwiGLU):
+    if isinstance(layer.get("mlp"), SwiGLU):
         fused = layer.mlp
         for name, part in zip(MLP_PARTS, _split(fused.gate_up, [fused.width])):
             fused.original[name] = part
@@ -77,7 +77,7 @@ def unfuse_layer(layer: nn.Module) -> bool:
 
 
 def is_fused(layer: nn.Module) -> bool:
-    return "qkv" in layer.self_attn or isinstance(layer.mlp, SwiGLU)
+    return "qkv" in layer.self_attn or isinstance(layer.get("mlp"), SwiGLU)
 
 
 # --- linear modules side by side ----------------------------------------------------------------

@@ -93,9 +93,14 @@ def _sdpa(q, k, v, scale, mask, sinks):
 
 
 def _causal_mask(q_len, ctx_len, window):
-    """Boolean [q_len, ctx_len]: query i sits at position ctx_len - q_len + i (None: no masking)."""
+    """Query i sits at position ctx_len - q_len + i. None: no masking; "causal": SDPA's own mask,
+    which aligns the queries to the context's end as here (and is what mlx-lm passes), so MLX may
+    take its fused path instead of materialising the scores (on a GPU an 8192-token prompt's
+    [heads, 8192, 8192] scores were most of the activation peak); else a boolean [q_len, ctx_len]."""
     if q_len == 1 and (window is None or ctx_len <= window):
         return None
+    if window is None or ctx_len <= window:
+        return "causal"
     q_pos = mx.arange(ctx_len - q_len, ctx_len)[:, None]
     k_pos = mx.arange(ctx_len)[None]
     mask = k_pos <= q_pos

@@ -77,7 +77,7 @@ def unfuse_layer(layer: nn.Module) -> bool:
 
 
 def is_fused(layer: nn.Module) -> bool:
-    return "qkv" in layer.self_attn or isinstance(layer.get("mlp"), SwiGLU)
+    return "qkv" in layer.get("self_attn", {}) or isinstance(layer.get("mlp"), SwiGLU)
 
 
 # --- linear modules side by side ----------------------------------------------------------------

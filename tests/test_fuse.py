@@ -123,3 +123,15 @@ def test_a_lora_adapter_unfuses_the_layers_it_adapts(llama_model, llama_adapters
     prompts = {"r0": tokenizer.encode(PROMPTS[0])}
     assert greedy(runner, prompts, 10, lora=1) == {"r0": mlx_lm_greedy(merged, prompts["r0"], 10)}
     assert greedy(runner, prompts, 10) == {"r0": mlx_lm_greedy(ref, prompts["r0"], 10)}
+
+
+def test_a_stage_fuses_where_it_computes_on_a_gpu(llama_model, monkeypatch):
+    """The load decides by the backend (`dtypes.on_gpu`, pretended here) and METAL_CLUSTER_FUSE."""
+    from metal_cluster.stage_worker.model import dtypes
+
+    source = resolve_model(llama_model)
+    assert not any(fuse.is_fused(layer) for layer in load_shard(source).layers)
+    monkeypatch.setattr(dtypes, "on_gpu", lambda: True)
+    assert all(fuse.is_fused(layer) for layer in load_shard(source).layers)
+    monkeypatch.setattr(fuse, "FUSE", False)  # what METAL_CLUSTER_FUSE=0 sets
+    assert not any(fuse.is_fused(layer) for layer in load_shard(source).layers)

@@ -89,7 +89,7 @@ class SchedulerDouble:
         for req in list(self.reqs.values()):
             if len(req.output) + req.placeholders >= req.max_tokens or budget == 0:
                 continue
-            known = len(req.history) + req.placeholders
+            known = len(req.prompt) + len(req.output) + req.placeholders  # no copy of the history per step
             n = min(known - req.num_computed, budget)
             if self.chunk_size:
                 n = min(n, self.chunk_size)

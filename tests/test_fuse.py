@@ -135,3 +135,12 @@ def test_a_stage_fuses_where_it_computes_on_a_gpu(llama_model, monkeypatch):
     assert all(fuse.is_fused(layer) for layer in load_shard(source).layers)
     monkeypatch.setattr(fuse, "FUSE", False)  # what METAL_CLUSTER_FUSE=0 sets
     assert not any(fuse.is_fused(layer) for layer in load_shard(source).layers)
+
+
+def test_a_layer_without_attention_has_nothing_to_unfuse(tmp_path):
+    """A LoRA adapter unfuses every layer it names; a hybrid model's Gated DeltaNet layers have no
+    self_attn, and are left as they are."""
+    shard = load_shard(resolve_model(tiny_models.build_tiny_model("qwen3_next", tmp_path / "next")))
+    recurrent = [layer for layer in shard.layers if "self_attn" not in layer]
+    assert recurrent
+    assert not any(fuse.unfuse_layer(layer) or fuse.is_fused(layer) for layer in recurrent)

@@ -60,8 +60,8 @@ def fuse_layer(layer: nn.Module) -> None:
 def unfuse_layer(layer: nn.Module) -> bool:
     """Give a fused layer its separate modules back (a LoRA adapter wraps them); False if it was not fused."""
     undone = False
-    attn = layer.self_attn
-    if "qkv" in attn:
+    attn = layer.get("self_attn")  # a Gated DeltaNet layer has none
+    if attn is not None and "qkv" in attn:
         for name, part in zip(ATTENTION_PARTS, _split(attn.qkv, attn.qkv_split)):
             attn.inner[name] = part
         del attn["qkv"]

@@ -579,11 +579,11 @@ def b1_side_by_side(folder: Path, config: dict, wl: Workload, utilization: float
             built, driver = stack.enter_context(our_stage(folder, config, wl, utilization, ahead))
             plain = None
             if unfused:
-                fuse.FUSE = False
+                setting, fuse.FUSE = fuse.FUSE, False
                 try:
                     _, plain = stack.enter_context(our_stage(folder, config, wl, utilization, ahead))
                 finally:
-                    fuse.FUSE = True
+                    fuse.FUSE = setting
             for i in range(wl.b1_rounds):
                 theirs = mlx_lm_batch1(model, tokens, wl.warm, wl.steps)
                 ours = ours_decode(driver, [tokens], wl.warm, wl.steps)

@@ -546,10 +546,13 @@ def our_stage(folder: Path, config: dict, wl: Workload, utilization: float, ahea
     print(f"  ours: pool {out['pool_dtype']} x {out['num_blocks']} blocks (budget {out['budget_blocks']}), "
           f"activations {out['activation_dtype']}, attention {out['attention']}", flush=True)
     out["ahead"] = ahead
+    out["stage"] = host  # for the caller's switches; not saved
     driver = Driver(host.launch, out["num_blocks"], wl.max_batched_tokens, ahead)
     try:
         yield out, driver
     finally:
+        out.pop("stage", None)
+        print(f"  ours: decode steps as one trace (whole_step.py): {host.runner.chain.whole.usable}", flush=True)
         del driver, host, pool
         free()
 
@@ -561,12 +564,13 @@ def ours_in_process(folder: Path, config: dict, wl: Workload, measures, utilizat
 
 
 def b1_side_by_side(folder: Path, config: dict, wl: Workload, utilization: float, ahead: bool,
-                    unfused: bool = False) -> dict:
+                    unfused: bool = False, chain: bool = False) -> dict:
     """Batch-1 decode of mlx-lm and of our stage, both loaded at once, measured in alternating
     rounds: a host-bound step moves with the machine by tens of percent within minutes (see
     bench/README.md), so each round's ratio compares two measurements seconds apart. `unfused`: a
     third contender, our stage loaded with METAL_CLUSTER_FUSE=0 (q/k/v and gate/up as separate
-    matmuls, `stage_worker/model/fuse.py`), in the same rounds."""
+    matmuls, `stage_worker/model/fuse.py`), in the same rounds. `chain`: one more, our stage with every decode
+    step on the per-layer chain (`stage_worker/step/whole_step.py` off)."""
     from mlx_lm.utils import load
 
     from metal_cluster.stage_worker.model import fuse
@@ -584,6 +588,10 @@ def b1_side_by_side(folder: Path, config: dict, wl: Workload, utilization: float
                     _, plain = stack.enter_context(our_stage(folder, config, wl, utilization, ahead))
                 finally:
                     fuse.FUSE = setting
+            per_layer = None
+            if chain:
+                built_chain, per_layer = stack.enter_context(our_stage(folder, config, wl, utilization, ahead))
+                built_chain["stage"].runner.chain.whole.usable = False
             for i in range(wl.b1_rounds):
                 theirs = mlx_lm_batch1(model, tokens, wl.warm, wl.steps)
                 ours = ours_decode(driver, [tokens], wl.warm, wl.steps)
@@ -593,7 +601,11 @@ def b1_side_by_side(folder: Path, config: dict, wl: Workload, utilization: float
                 if plain is not None:
                     rounds[-1]["ours_unfused"] = ours_decode(plain, [tokens], wl.warm, wl.steps)["tok_s"]
                     line += f", ours unfused {rounds[-1]['ours_unfused']:.1f}"
+                if per_layer is not None:
+                    rounds[-1]["ours_chain"] = ours_decode(per_layer, [tokens], wl.warm, wl.steps)["tok_s"]
+                    line += f", ours per-layer chain {rounds[-1]['ours_chain']:.1f}"
                 print(line, flush=True)
+            whole = built["stage"].runner.chain.whole.usable
     finally:
         del model
         free()
@@ -608,6 +620,10 @@ def b1_side_by_side(folder: Path, config: dict, wl: Workload, utilization: float
     if unfused:
         out["ours_unfused"] = side("ours_unfused")
         out["unfused_ratio_median"] = statistics.median(r["ours_unfused"] / r["mlx_lm"] for r in rounds)
+    if chain:
+        out["ours_chain"] = side("ours_chain")
+        out["chain_ratio_median"] = statistics.median(r["ours_chain"] / r["mlx_lm"] for r in rounds)
+    out["whole_step"] = whole
     return out
 
 
@@ -797,6 +813,8 @@ def main():
     ap.add_argument("--step-timeout", type=float, default=60.0, help="seconds a pipeline step may take")
     ap.add_argument("--b1-unfused", action="store_true",
                     help="batch 1 side by side: also our stage with q/k/v and gate/up unfused (METAL_CLUSTER_FUSE=0)")
+    ap.add_argument("--b1-chain", action="store_true",
+                    help="batch 1 side by side: also our stage with decode steps on the per-layer chain (METAL_CLUSTER_WHOLE_STEP=0)")
     ap.add_argument("--sync", action="store_true",
                     help="one stage without async scheduling (as serve with METAL_CLUSTER_NO_OVERLAP=1)")
     args = ap.parse_args()
@@ -833,11 +851,15 @@ def main():
         if "b1" in measures and {"mlx-lm", "ours"} <= set(sections):
             started = time.perf_counter()
             try:
-                pair = b1_side_by_side(folder, config, wl, args.memory_utilization, not args.sync, args.b1_unfused)
+                pair = b1_side_by_side(folder, config, wl, args.memory_utilization, not args.sync, args.b1_unfused,
+                                       args.b1_chain)
                 r["b1_side_by_side"] = dict(ratio_median=pair["ratio_median"], ratios=pair["ratios"])
                 if "ours_unfused" in pair:
                     r["b1_side_by_side"].update(unfused=pair["ours_unfused"],
                                                 unfused_ratio_median=pair["unfused_ratio_median"])
+                if "ours_chain" in pair:
+                    r["b1_side_by_side"].update(chain=pair["ours_chain"], chain_ratio_median=pair["chain_ratio_median"])
+                r["b1_side_by_side"]["whole_step"] = pair["whole_step"]
                 r["mlx_lm"], r["ours"] = dict(decode_b1=pair["mlx_lm"]), dict(decode_b1=pair["ours"], **pair["built"])
             except Exception as e:
                 traceback.print_exc()

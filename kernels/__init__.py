@@ -71,20 +71,15 @@ def paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, scale: float, sl
     elif v_pool is None:
         raise ValueError("paged_attention: v_pool is None but no v_dim says where V is")
     backend = gpu_backend()
-    if backend is None or not _fast.supports(q, k_pool, meta, v_pool, v_dim=v_dim):
+    route = _route(q, k_pool, v_pool, meta, backend, v_dim)
+    if route == "reference":
         k_pool = _blocked(k_pool, meta)
         v = k_pool[..., :v_dim] if v_dim is not None else _blocked(v_pool, meta)
         return paged_attention_reference(q, k_pool, v, meta, scale, sliding_window, sinks)
-    if v_dim is not None:  # decodes only (supports says so): the decode kernel reads V in the K rows
-        return _fast.paged_attention_kernel(q, k_pool, None, meta, scale, sliding_window, backend=backend, sinks=sinks,
+    if route == "kernel":
+        return _fast.paged_attention_kernel(q, k_pool, v_pool, meta, scale, sliding_window, backend=backend, sinks=sinks,
                                             v_dim=v_dim)
-    split = _split_batch(meta)
-    if split is None:
-        return _fast.paged_attention_kernel(q, k_pool, v_pool, meta, scale, sliding_window, backend=backend, sinks=sinks)
-    parts, order = split
-    if order is None:
-        return paged_attention_reference(q, _blocked(k_pool, meta), _blocked(v_pool, meta), meta, scale,
-                                         sliding_window, sinks)
+    parts, order = route
     outs = [
         paged_attention_reference(q[rows], _blocked(k_pool, meta), _blocked(v_pool, meta), sub, scale,
                                   sliding_window, sinks) if kind == "large"
@@ -93,6 +88,25 @@ def paged_attention(q, k_pool, v_pool, meta: AttentionMetadata, scale: float, sl
         for kind, rows, sub in parts
     ]
     return mx.concatenate(outs, axis=0)[order]
+
+
+def _route(q, k_pool, v_pool, meta: AttentionMetadata, backend: str | None, v_dim: int | None):
+    """"reference", "kernel", or (parts, order) of a split batch (`_split_batch`). Decided by the
+    first layer of a step with these shapes and kept on the step's metadata for the others."""
+    routes = meta.__dict__.setdefault("_paged_attention_routes", {})
+    key = (backend, q.shape, q.dtype, k_pool.shape, k_pool.dtype,
+           None if v_pool is None else (v_pool.shape, v_pool.dtype), v_dim)
+    route = routes.get(key)
+    if route is None:
+        if backend is None or not _fast.supports(q, k_pool, meta, v_pool, v_dim=v_dim):
+            route = "reference"
+        elif v_dim is not None:  # decodes only (supports says so): the decode kernel reads V in the K rows
+            route = "kernel"
+        else:
+            split = _split_batch(meta)
+            route = "kernel" if split is None else "reference" if split[1] is None else split
+        routes[key] = route
+    return route
 
 
 def _blocked(pool, meta: AttentionMetadata):

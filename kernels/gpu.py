@@ -745,33 +745,39 @@ def paged_attention_kernel(q, k_pool, v_pool, meta: AttentionMetadata, scale: fl
                            backend: str = "metal", sinks=None, v_dim: int | None = None):
     """The fast path behind `metal_cluster.kernels.paged_attention` (same contract). `v_dim`: V is
     the leading v_dim values of each K row, read in place from `k_pool` (decodes only)."""
+    if v_dim is not None and not is_decode(q, meta):
+        raise ValueError("V as a prefix of the K rows (v_dim) is for decode batches only")
+    # Every layer of a step sees the same metadata and, layer after layer, the same shapes: the
+    # plan, the kernels and the launch sizes are made by the first and reused by the others.
+    launches = meta.__dict__.setdefault("_paged_attention_launches", {})
+    key = (q.shape, q.dtype, k_pool.shape, float(scale), sliding_window or 0, backend, sinks is not None, v_dim)
+    launch = launches.get(key)
+    if launch is None:
+        launch = launches[key] = _launch(q, k_pool, meta, scale, sliding_window or 0, backend, sinks is not None, v_dim)
+    return launch(q, k_pool, k_pool if v_dim is not None else v_pool, sinks)
+
+
+def _launch(q, k_pool, meta, scale, window, backend, has_sinks, v_dim):
+    """call(q, k_pool, v_pool, sinks) launching the kernels for this shape of one step."""
     total_q, heads, head_dim = q.shape
     kv_heads = k_pool.shape[-2]
     gqa = heads // kv_heads
     num_reqs = len(meta.seq_lens_host)
-    window = sliding_window if sliding_window else 0
-    extra = [] if sinks is None else [sinks.astype(mx.float32)]
-    if v_dim is not None:
-        if not is_decode(q, meta):
-            raise ValueError("V as a prefix of the K rows (v_dim) is for decode batches only")
-        return _decode(q, k_pool, k_pool, meta, scale, window, backend, num_reqs, kv_heads, gqa, extra, v_dim)
     if is_decode(q, meta):
-        return _decode(q, k_pool, v_pool, meta, scale, window, backend, num_reqs, kv_heads, gqa, extra)
+        return _decode_launch(q, meta, scale, window, backend, num_reqs, kv_heads, gqa, has_sinks, v_dim)
     step = _step_arrays(meta, scale, kv_heads, window, 0, 1)
-    tiles = prefill_num_tiles(total_q, num_reqs, gqa)
-    kernel = build_kernel("prefill", backend, head_dim, gqa, sinks=bool(extra))
-    return kernel(
-        inputs=[q, k_pool, v_pool, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, step.params, step.scale, step.kvh,
-                *extra],
-        template=[("T", q.dtype)],
-        grid=(tiles * kv_heads * THREADS, 1, 1),
-        threadgroup=(THREADS, 1, 1),
-        output_shapes=[q.shape],
-        output_dtypes=[q.dtype],
-    )[0]
+    kernel = build_kernel("prefill", backend, head_dim, gqa, sinks=has_sinks)
+    fixed = [meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, step.params, step.scale, step.kvh]
+    sizes = dict(template=[("T", q.dtype)], grid=(prefill_num_tiles(total_q, num_reqs, gqa) * kv_heads * THREADS, 1, 1),
+                 threadgroup=(THREADS, 1, 1), output_shapes=[q.shape], output_dtypes=[q.dtype])
+
+    def call(q, k_pool, v_pool, sinks):
+        return kernel(inputs=[q, k_pool, v_pool, *fixed, *_sinks(sinks)], **sizes)[0]
+
+    return call
 
 
-def _decode(q, k_pool, v_pool, meta, scale, window, backend, num_reqs, kv_heads, gqa, extra, v_dim=None):
+def _decode_launch(q, meta, scale, window, backend, num_reqs, kv_heads, gqa, has_sinks, v_dim=None):
     head_dim = q.shape[2]
     shared_v = v_dim is not None
     v_dim = head_dim if v_dim is None else v_dim
@@ -781,28 +787,38 @@ def _decode(q, k_pool, v_pool, meta, scale, window, backend, num_reqs, kv_heads,
     max_ctx = max(meta.seq_lens_host)
     splits, partition = plan_decode_splits(num_reqs, kv_heads * tiles, max_ctx, TARGET_THREADGROUPS[backend])
     step = _step_arrays(meta, scale, kv_heads, window, partition, splits)
-    inputs = [q, k_pool, v_pool, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, step.params, step.scale, step.kvh,
-              *extra]
+    fixed = [meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, step.params, step.scale, step.kvh]
     groups = num_reqs * kv_heads * tiles * splits
-    layout = (head_dim, gqa, q.dtype.size, plan.keys_per_step, bool(extra))
+    layout = (head_dim, gqa, q.dtype.size, plan.keys_per_step, has_sinks)
     shape = dict(v_dim=v_dim, shared_v=True) if shared_v else {}
     out_shape = (q.shape[0], q.shape[1], v_dim)
+    launch = dict(template=[("T", q.dtype)], grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1))
     if splits == 1:
-        return build_kernel("decode", backend, *layout, **shape)(
-            inputs=inputs, template=[("T", q.dtype)], grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-            output_shapes=[out_shape], output_dtypes=[q.dtype],
-        )[0]
+        kernel = build_kernel("decode", backend, *layout, **shape)
+
+        def whole(q, k_pool, v_pool, sinks):
+            return kernel(inputs=[q, k_pool, v_pool, *fixed, *_sinks(sinks)], output_shapes=[out_shape],
+                          output_dtypes=[q.dtype], **launch)[0]
+
+        return whole
     rows = num_reqs * q.shape[1]
-    part_o, part_ml = build_kernel("decode_split", backend, *layout, **shape)(
-        inputs=inputs, template=[("T", q.dtype)], grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-        output_shapes=[(rows * splits, v_dim), (rows * splits, 2)], output_dtypes=[mx.float32, mx.float32],
-    )
+    split = build_kernel("decode_split", backend, *layout, **shape)
     reduce = build_kernel("reduce", backend, head_dim, gqa, **(dict(itemsize=q.dtype.size, **shape) if shared_v else {}))
-    return reduce(
-        inputs=[part_o, part_ml, step.params, step.scale, step.kvh], template=[("T", q.dtype)],
-        grid=(rows * v_dim, 1, 1), threadgroup=(v_dim, 1, 1),
-        output_shapes=[out_shape], output_dtypes=[q.dtype],
-    )[0]
+    reduce_inputs = [step.params, step.scale, step.kvh]
+    reduce_launch = dict(template=[("T", q.dtype)], grid=(rows * v_dim, 1, 1), threadgroup=(v_dim, 1, 1),
+                         output_shapes=[out_shape], output_dtypes=[q.dtype])
+
+    def in_parts(q, k_pool, v_pool, sinks):
+        part_o, part_ml = split(
+            inputs=[q, k_pool, v_pool, *fixed, *_sinks(sinks)], output_shapes=[(rows * splits, v_dim), (rows * splits, 2)],
+            output_dtypes=[mx.float32, mx.float32], **launch)
+        return reduce(inputs=[part_o, part_ml, *reduce_inputs], **reduce_launch)[0]
+
+    return in_parts
+
+
+def _sinks(sinks) -> list:
+    return [] if sinks is None else [sinks.astype(mx.float32)]
 
 
 __all__ = [

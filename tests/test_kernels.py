@@ -536,3 +536,22 @@ def test_emulated_cuda_decode_matches_reference(case, emulated_cuda):
     assert got.shape == (len(specs), heads, v_dim or head_dim)
     want = reference_f32(q, k_pool, v_pool, meta, scale, window, sinks)
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, err_msg=name, **TOLERANCE[dtype])
+
+
+@requires_gxx
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_emulated_cuda_layers_of_one_step_share_a_plan_not_their_pools(split, emulated_cuda):
+    """The layers of a step reuse the first one's launch plan (kept on the step's metadata), and
+    each still reads its own pools and sinks."""
+    specs = [(1, 300 if split else 40), (1, 9)]
+    q, k_pool, v_pool, meta = make_batch(11, specs, 4, 2, 64, 16, mx.float32)
+    layers = [(k_pool, v_pool, random_sinks(4, 1))]
+    for seed in (2, 3):
+        _, k, v, _ = make_batch(seed, specs, 4, 2, 64, 16, mx.float32)
+        layers.append((k, v, random_sinks(4, seed)))
+    scale = 64 ** -0.5
+    for k, v, sinks in layers:
+        got = pa.paged_attention_kernel(q, k, v, meta, scale, None, backend="cuda", sinks=sinks)
+        np.testing.assert_allclose(np.array(got), reference_f32(q, k, v, meta, scale, None, sinks), **TOLERANCE[mx.float32])
+    assert len(meta._paged_attention_launches) == 1
+    assert len(emulated_cuda.launches) == 3 * (2 if split else 1)

@@ -19,6 +19,7 @@ import mlx.nn as nn
 
 from metal_cluster.stage_worker.step.attention import LayerContext
 from metal_cluster.stage_worker.step.compiled import CompileSwitch, SplitMixer, Traced, split_mixer
+from metal_cluster.stage_worker.step.whole_step import WholeStep
 
 
 class DecodeChain:
@@ -30,10 +31,15 @@ class DecodeChain:
         self.seams = [Traced(self._traced(self._seam, i), self) for i in range(n)]
         self.tails = [Traced(self._traced(self._tail, i), self) for i in range(n)]
         self.counts = (0, 0)  # (parts from the middle, arrays the next mixer reads) of the call being traced
+        self.whole = WholeStep(layers, switch)  # on a GPU: the whole step as one trace, where it applies
 
     def run(self, h: mx.array, batch, pool, compiled: bool, inputs: tuple = ()) -> mx.array:
         """h [1, T, hidden] through every layer: through the traces when `compiled` (a step whose
         shapes recur), else each block as it is. `inputs`: the step state the traces read (LoRA's)."""
+        if compiled and not inputs and self.whole.applies(batch, pool):
+            out = self.whole.run(h, batch, pool)
+            if out is not None:
+                return out
         self.switch.on, self.switch.inputs = compiled, inputs
         try:
             if compiled:

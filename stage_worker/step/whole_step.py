@@ -1,0 +1,135 @@
+"""A decode step's layers as one traced call, where attention runs on the GPU's paged kernels.
+
+At batch 1 a decode step on a GPU is host-bound (bench/README.md): the decode chain
+(`decode_chain.py`) still makes, for every layer, a compiled call, the K/V writes and the attention
+kernel's launch in Python. When every layer's attention takes the paged decode kernel, the whole
+step can be one trace instead:
+
+- the kernel's launch depends on the step's host values only through the number of requests and
+  the longest context. The trace plans for a context rounded up to a power-of-two number of blocks
+  (the block tables are padded to it with the null block) and reads each request's real length
+  from `seq_lens` on the device; the partitions past it are empty. So the plan follows from the
+  inputs' shapes, and MLX keeps one trace per (batch size, context bucket);
+- the pool's arrays go in as inputs and come back as outputs; once the runner holds the outputs
+  nothing else references the inputs, so MLX still writes them in place.
+
+A trace is kept only if every attention call in it took the decode kernel: anything else (the
+CPU backend, a recurrent layer, a shape the kernel does not take) depends on host values a trace
+would freeze, and those stages stay on the decode chain.
+"""
+
+import logging
+import os
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from metal_cluster import kernels
+from metal_cluster.kernels import AttentionMetadata
+from metal_cluster.stage_worker.step.attention import LayerContext
+from metal_cluster.stage_worker.step.batch import GroupTables
+from metal_cluster.stage_worker.step.compiled import CompileSwitch
+
+log = logging.getLogger(__name__)
+
+# METAL_CLUSTER_WHOLE_STEP=0 keeps every decode step on the per-layer chain (the benches' A/B switch).
+ENABLED = os.environ.get("METAL_CLUSTER_WHOLE_STEP", "1") != "0"
+
+MIN_BLOCKS = 16  # the smallest block-table width a trace is made for
+
+
+def table_width(blocks: int) -> int:
+    """The block-table width a step with `blocks` columns runs at: the next power of two."""
+    width = MIN_BLOCKS
+    while width < blocks:
+        width *= 2
+    return width
+
+
+@dataclass
+class _Inputs:
+    """How the trace's flat inputs are laid out, for one pool layout."""
+
+    groups: int
+    keys: list[bool]  # which pool keys entries are arrays (all of them)
+    values: list[bool]  # which values entries are arrays (None for a shared_kv layer)
+
+
+class WholeStep:
+    """Decode steps of one stage's layers as one mx.compile trace (see the module's doc)."""
+
+    def __init__(self, layers: list[nn.Module], switch: CompileSwitch):
+        self.layers, self.switch = layers, switch
+        self.usable: bool | None = None if ENABLED else False  # None until the first trace says
+        self.generation = None
+        self.compiled = None
+        self._layout: _Inputs | None = None
+        self._template = None  # (batch, pool) the trace being made copies what it does not take as input
+        self._routes: list = []
+
+    def applies(self, batch, pool) -> bool:
+        """Whether this step can take the trace: one token a request, a GPU with the paged kernels,
+        attention only (no recurrent state), and no trace found unusable before."""
+        return (self.usable is not False and batch.is_decode and kernels.gpu_backend() is not None
+                and not any(pool.is_state) and all(t.state is None for t in batch.groups))
+
+    def run(self, h: mx.array, batch, pool) -> mx.array | None:
+        """h [1, B, hidden] through every layer in one call; None if the trace is unusable (the
+        caller then runs the chain)."""
+        if self.compiled is None or self.generation != self.switch.generation:
+            self.compiled, self.generation = mx.compile(self._traced), self.switch.generation
+        flat = []
+        for tables in batch.groups:
+            meta = tables.attn
+            have = meta.block_tables.shape[1]
+            width = table_width(max(have, -(-max(meta.seq_lens_host) // pool.block_size)))
+            padded = meta.block_tables if width == have else mx.pad(meta.block_tables, [(0, 0), (0, width - have)])
+            flat += [tables.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, padded]
+        self._layout = _Inputs(len(batch.groups), [k is not None for k in pool.keys], [v is not None for v in pool.values])
+        self._template, self._routes = (batch, pool), []
+        try:
+            out = self.compiled(h, batch.positions, *flat, *_arrays(pool))
+        except Exception as e:  # a layer that needs host values a trace cannot hold
+            log.warning("decode steps stay on the per-layer chain: one trace of the whole step failed (%s: %s)",
+                        type(e).__name__, e)
+            self.usable, self.compiled = False, None
+            return None
+        finally:
+            self._template = None
+        if self._routes:  # MLX made a trace this call: it counts only if every attention took the kernel
+            self.usable = all(r == "kernel" for r in self._routes)
+        if not self.usable:
+            self.usable, self.compiled = False, None
+            return None
+        h, rest = out[0], list(out[1:])
+        pool.keys = [rest.pop(0) if k else None for k in self._layout.keys]
+        pool.values = [rest.pop(0) if v else None for v in self._layout.values]
+        return h
+
+    def _traced(self, h, positions, *arrays):
+        """Runs only while MLX traces: each layer as it is, on a batch and pool made of the inputs."""
+        batch, pool = self._template
+        layout = self._layout
+        groups, pool_arrays = [], list(arrays[4 * layout.groups:])
+        for g in range(layout.groups):
+            slots, cu_seqlens_q, seq_lens, tables = arrays[4 * g: 4 * g + 4]
+            num_reqs, width = tables.shape
+            # The plan's host view of the step: every request at the bucket's full context.
+            meta = AttentionMetadata(cu_seqlens_q, seq_lens, tables, pool.block_size,
+                                     query_lens_host=[1] * num_reqs, seq_lens_host=[width * pool.block_size] * num_reqs)
+            groups.append(GroupTables(slots, meta))
+        shadow_batch = replace(batch, positions=positions, groups=groups)
+        keys = [pool_arrays.pop(0) if k else None for k in layout.keys]
+        values = [pool_arrays.pop(0) if v else None for v in layout.values]
+        shadow_pool = replace(pool, keys=keys, values=values, _indices={})
+        for i, layer in enumerate(self.layers):
+            h = layer(h, None, LayerContext(shadow_batch, shadow_pool, i))
+        for tables in groups:
+            self._routes.extend(tables.attn.__dict__.get("_paged_attention_routes", {}).values())
+        return (h, *_arrays(shadow_pool))
+
+
+def _arrays(pool) -> list[mx.array]:
+    """The pool's arrays in the trace's order: keys, then values."""
+    return [a for a in pool.keys if a is not None] + [v for v in pool.values if v is not None]

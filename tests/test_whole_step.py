@@ -1,0 +1,108 @@
+"""The whole decode step as one trace (stage_worker/step/whole_step.py), on the CPU.
+
+On a GPU the trace holds the paged decode kernels. Here MLX runs on its CPU backend, where
+attention takes the reference, whose gathers are planned from host values a trace cannot hold;
+so these tests stand a traceable decode attention in for the kernel (SDPA over each request's
+block table, padded, masked by its device-side length: the kernel's contract) and check what the
+trace adds around it: the pools in and out, the padded tables and their widths, the shadow batch,
+and the fallback. Greedy tokens must equal mlx-lm's; the kernel itself is checked against the
+reference on the GPU (tests/test_kernels.py)."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.utils import load
+
+import tiny_models
+from metal_cluster import kernels
+from metal_cluster.kernels import gpu as fast
+from metal_cluster.stage_worker.kv.paged_kv import KVPool
+from metal_cluster.stage_worker.model.model_source import resolve_model
+from metal_cluster.stage_worker.model.shard import load_shard
+from metal_cluster.stage_worker.step import whole_step
+from metal_cluster.stage_worker.step.runner import StageRunner
+from references import mlx_lm_greedy
+from scheduler_double import SchedulerDouble
+
+BLOCK_SIZE = 4  # 16 blocks = 64 tokens: the requests below cross table widths 16 -> 32
+NUM_BLOCKS = 160
+
+
+def traceable_decode(q, k_pool, v_pool, meta, scale, sliding_window=None, backend=None, sinks=None, v_dim=None):
+    """Decode attention from device arrays only, as the kernel reads them: every slot of each
+    request's block table, those at or past its length (or before its window) masked."""
+    num_reqs, width = meta.block_tables.shape
+    slots = (meta.block_tables[:, :, None] * meta.block_size + mx.arange(meta.block_size)).reshape(num_reqs, -1)
+    k = k_pool[slots].transpose(0, 2, 1, 3)  # [B, kv_heads, L, D]
+    v = (k_pool[..., :v_dim] if v_dim else v_pool)[slots].transpose(0, 2, 1, 3)
+    position = mx.arange(slots.shape[1])[None, :]
+    last = meta.seq_lens[:, None] - 1
+    mask = position <= last
+    if sliding_window:
+        mask = mask & (position > last - sliding_window)
+    out = mx.fast.scaled_dot_product_attention(q[:, :, None, :], k, v, scale=scale, mask=mask[:, None, None, :],
+                                               sinks=sinks)
+    return out[:, :, 0, :]
+
+
+@pytest.fixture
+def decode_kernel_standin(monkeypatch):
+    """The kernel route taken for decodes, with the traceable stand-in as the kernel."""
+    monkeypatch.setattr(kernels, "gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(fast, "supports", lambda q, k_pool, meta, v_pool=None, **kw: fast.is_decode(q, meta))
+    monkeypatch.setattr(fast, "paged_attention_kernel", traceable_decode)
+
+
+def run_requests(folder, prompts, max_tokens):
+    """Greedy tokens of every prompt through one stage's runner, and the whole-step calls that ran."""
+    shard = load_shard(resolve_model(folder))
+    runner = StageRunner(shard, KVPool.allocate(shard.caches, NUM_BLOCKS, BLOCK_SIZE, shard.dtype))
+    whole = runner.chain.whole
+    ran, widths, original = [], set(), whole.run
+
+    def counted(h, batch, pool):
+        out = original(h, batch, pool)
+        ran.append(out is not None)
+        widths.update(whole_step.table_width(-(-max(t.attn.seq_lens_host) // BLOCK_SIZE)) for t in batch.groups)
+        return out
+
+    whole.run = counted
+    sched = SchedulerDouble(lambda step: {r: s.token_id for r, s in runner.step(step).sampled.items()},
+                            NUM_BLOCKS, BLOCK_SIZE)
+    for i, p in enumerate(prompts):
+        sched.add(f"r{i}", p, max_tokens)
+    out = sched.run()
+    return [out[f"r{i}"] for i in range(len(prompts))], ran, widths, whole
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
+def test_decode_steps_as_one_trace_equal_mlx_lm(family, tmp_path, decode_kernel_standin):
+    """Three requests of different lengths decoding together, past a table width: every decode step
+    ran as the trace, and each request's tokens are mlx-lm's. gpt_oss: sinks, and its sliding-window
+    layers in a KV cache group of their own."""
+    overrides = {"sliding_window": 8} if family == "gpt_oss" else {}
+    folder = tiny_models.build_tiny_model(family, tmp_path / family, config_overrides=overrides)
+    ref_model, tokenizer = load(str(folder))
+    prompts = [tokenizer.encode(t) for t in ("Hello world, this is a test", "Short",
+                                             "The quick brown fox jumps over the lazy dog again and again")]
+    got, ran, widths, whole = run_requests(folder, prompts, 56)
+    for tokens, prompt in zip(got, prompts):
+        assert tokens == mlx_lm_greedy(ref_model, prompt, 56)
+    assert ran and all(ran) and whole.usable
+    assert widths >= {16, 32}
+
+
+def test_a_trace_whose_attention_is_not_the_kernel_is_dropped(llama_model, monkeypatch, decode_kernel_standin):
+    """Where the kernel does not take the step (here: supports says no), the trace would freeze the
+    reference's host-planned gathers: it is dropped, and the chain serves every step, exactly."""
+    monkeypatch.setattr(fast, "supports", lambda *a, **kw: False)
+    ref_model, tokenizer = load(str(llama_model))
+    prompts = [tokenizer.encode("Tea or coffee?"), tokenizer.encode("Numbers 12345 and 67890")]
+    got, ran, _, whole = run_requests(llama_model, prompts, 12)
+    for tokens, prompt in zip(got, prompts):
+        assert tokens == mlx_lm_greedy(ref_model, prompt, 12)
+    assert ran[0] is False and whole.usable is False
+    assert len(ran) == 1  # not tried again
+
+
+def test_table_widths_are_powers_of_two_from_16():
+    assert [whole_step.table_width(n) for n in (1, 16, 17, 33, 100)] == [16, 16, 32, 64, 128]

@@ -71,8 +71,8 @@ class WholeStep:
     def applies(self, batch, pool) -> bool:
         """Whether this step can take the trace: one token a request, a GPU with the paged kernels,
         attention only (no recurrent state), and no trace found unusable before."""
-        return (self.usable is not False and batch.is_decode and kernels.gpu_backend() is not None
-                and not any(pool.is_state) and all(t.state is None for t in batch.groups))
+        return (self.usable is not False and kernels.gpu_backend() is not None and not any(pool.is_state)
+                and all(t.state is None and batch.positions.shape[0] == len(t.attn.seq_lens_host) for t in batch.groups))
 
     def run(self, h: mx.array, batch, pool) -> mx.array | None:
         """h [1, B, hidden] through every layer in one call; None if the trace is unusable (the

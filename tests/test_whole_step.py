@@ -9,6 +9,7 @@ and the fallback. Greedy tokens must equal mlx-lm's; the kernel itself is checke
 reference on the GPU (tests/test_kernels.py)."""
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.utils import load
 
@@ -106,3 +107,25 @@ def test_a_trace_whose_attention_is_not_the_kernel_is_dropped(llama_model, monke
 
 def test_table_widths_are_powers_of_two_from_16():
     assert [whole_step.table_width(n) for n in (1, 16, 17, 33, 100)] == [16, 16, 32, 64, 128]
+
+
+def test_the_trace_writes_the_pool_in_place(llama_model, decode_kernel_standin):
+    """The pool goes into the trace and comes back out: with nothing else holding it, MLX writes its
+    K/V rows in place, so a step never copies the pool (the address of its buffer stays)."""
+    shard = load_shard(resolve_model(llama_model))
+    runner = StageRunner(shard, KVPool.allocate(shard.caches, 64, BLOCK_SIZE, shard.dtype))
+    addresses = []
+
+    def step(request):
+        out = {r: s.token_id for r, s in runner.step(request).sampled.items()}
+        mx.eval(runner.pool.arrays)
+        view = np.array(runner.pool.keys[1], copy=False)  # MLX's own buffer, not a copy
+        addresses.append(view.__array_interface__["data"][0])
+        del view  # a reference held into the next step would make MLX copy
+        return out
+
+    sched = SchedulerDouble(step, 64, BLOCK_SIZE)
+    sched.add("a", list(range(5, 30)), 12)
+    sched.run()
+    assert runner.chain.whole.usable and len(addresses) > 10
+    assert len(set(addresses)) == 1

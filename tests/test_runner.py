@@ -64,12 +64,15 @@ def test_eight_requests_packed_in_one_batch(family):
 
 
 def count_compiled_calls(monkeypatch, compile_on: bool) -> dict:
-    """METAL_CLUSTER_COMPILE as `compile_on`, and {"compiled": calls of every compiled trace so far}."""
+    """METAL_CLUSTER_COMPILE as `compile_on`, and {"compiled": calls of every compiled trace so far}.
+    These count the per-layer chain's calls: on a GPU the whole-step trace would take the decode
+    steps (tests/test_whole_step.py), so it is kept out."""
     import types
 
-    from metal_cluster.stage_worker.step import compiled, runner as runner_module
+    from metal_cluster.stage_worker.step import compiled, runner as runner_module, whole_step
 
     monkeypatch.setattr(runner_module, "COMPILE", compile_on)  # what METAL_CLUSTER_COMPILE=0 sets
+    monkeypatch.setattr(whole_step.WholeStep, "applies", lambda self, batch, pool: False)
     calls = {"compiled": 0}
 
     def counting_compile(fn):

@@ -103,8 +103,8 @@ class WholeStep:
             self.usable, self.compiled = False, None
             return None
         h, rest = out[0], list(out[1:])
-        pool.keys = [rest.pop(0) if k else None for k in self._layout.keys]
-        pool.values = [rest.pop(0) if v else None for v in self._layout.values]
+        pool.keys[:] = [rest.pop(0) if k else None for k in self._layout.keys]  # the same lists: holders see the new arrays
+        pool.values[:] = [rest.pop(0) if v else None for v in self._layout.values]
         return h
 
     def _traced(self, h, positions, *arrays):

@@ -539,6 +539,30 @@ def test_emulated_cuda_decode_matches_reference(case, emulated_cuda):
 
 
 @requires_gxx
+@pytest.mark.parametrize("window, with_sinks", [(None, False), (24, True)], ids=["full", "window-sinks"])
+def test_emulated_cuda_decode_planned_for_a_longer_context_reads_the_real_lengths(window, with_sinks, emulated_cuda):
+    """What a whole-step trace (stage_worker/step/whole_step.py) asks of the decode kernel: its plan
+    made for every request at the bucket's context (512 tokens: split in two partitions, block
+    tables padded to 32 columns with the null block), while each request's real length, read from
+    `seq_lens` on the device, is far shorter; the partitions past it are empty."""
+    from metal_cluster.stage_worker.step.whole_step import table_width
+
+    specs = [(1, 40), (1, 9), (1, 300)]
+    q, k_pool, v_pool, real = make_batch(17, specs, 4, 2, 64, 16, mx.float32)
+    width = table_width(real.block_tables.shape[1])
+    assert width == 32
+    padded = mx.pad(real.block_tables, [(0, 0), (0, width - real.block_tables.shape[1])])
+    planned = AttentionMetadata(real.cu_seqlens_q, real.seq_lens, padded, 16, query_lens_host=[1] * 3,
+                                seq_lens_host=[width * 16] * 3)
+    sinks = random_sinks(4, 9) if with_sinks else None
+    scale = 64 ** -0.5
+    got = pa.paged_attention_kernel(q, k_pool, v_pool, planned, scale, window, backend="cuda", sinks=sinks)
+    kinds = [re.match(r"paged_attn_([a-z_]+?)_d\d", launch[0]).group(1) for launch in emulated_cuda.launches]
+    assert kinds == ["decode_split", "reduce"]
+    want = reference_f32(q, k_pool, v_pool, real, scale, window, sinks)
+    np.testing.assert_allclose(np.array(got), want, **TOLERANCE[mx.float32])
+
+@requires_gxx
 @pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
 def test_emulated_cuda_layers_of_one_step_share_a_plan_not_their_pools(split, emulated_cuda):
     """The layers of a step reuse the first one's launch plan (kept on the step's metadata), and

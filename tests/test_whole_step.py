@@ -134,3 +134,14 @@ def test_the_trace_writes_the_pool_in_place(llama_model, decode_kernel_standin):
     sched.run()
     assert runner.chain.whole.usable and len(addresses) > 10
     assert len(set(addresses)) == 1
+
+
+def test_latent_attention_stays_on_the_chain(tmp_path):
+    """MLA's attention (deepseek_v3) re-plans its decodes from host values, which a trace would
+    freeze: its stages never take the whole step; plain paged attention's may."""
+    def whole(family):
+        shard = load_shard(resolve_model(tiny_models.build_tiny_model(family, tmp_path / family)))
+        return StageRunner(shard, KVPool.allocate(shard.caches, 8, BLOCK_SIZE, shard.dtype)).chain.whole
+
+    assert whole("deepseek_v3").usable is False
+    assert whole("qwen3").usable is None  # not decided until its first trace

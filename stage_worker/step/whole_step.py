@@ -27,9 +27,9 @@ import mlx.nn as nn
 
 from metal_cluster import kernels
 from metal_cluster.kernels import AttentionMetadata
-from metal_cluster.stage_worker.step.attention import LayerContext
+from metal_cluster.stage_worker.step.attention import LayerContext, PagedAttention
 from metal_cluster.stage_worker.step.batch import GroupTables
-from metal_cluster.stage_worker.step.compiled import CompileSwitch
+from metal_cluster.stage_worker.step.compiled import CompileSwitch, split_mixer
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +61,15 @@ class WholeStep:
 
     def __init__(self, layers: list[nn.Module], switch: CompileSwitch):
         self.layers, self.switch = layers, switch
-        self.usable: bool | None = None if ENABLED else False  # None until the first trace says
+        # Attention that hands the kernel the step's metadata as the trace builds it: PagedAttention's.
+        # MLA's latent attention (families/deepseek_v3.py) re-plans its decodes from host values.
+        plain = all(isinstance(split_mixer(layer), PagedAttention) for layer in layers)
+        self.usable: bool | None = None if ENABLED and plain else False  # None until the first trace says
         self.generation = None
         self.compiled = None
         self._layout: _Inputs | None = None
         self._template = None  # (batch, pool) the trace being made copies what it does not take as input
-        self._routes: list = []
+        self._routes: list | None = None  # the attention routes of the trace MLX is making, while it does
 
     def applies(self, batch, pool) -> bool:
         """Whether this step can take the trace: one token a request, a GPU with the paged kernels,
@@ -87,7 +90,7 @@ class WholeStep:
             padded = meta.block_tables if width == have else mx.pad(meta.block_tables, [(0, 0), (0, width - have)])
             flat += [tables.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, padded]
         self._layout = _Inputs(len(batch.groups), [k is not None for k in pool.keys], [v is not None for v in pool.values])
-        self._template, self._routes = (batch, pool), []
+        self._template, self._routes = (batch, pool), None
         try:
             out = self.compiled(h, batch.positions, *flat, *_arrays(pool))
         except Exception as e:  # a layer that needs host values a trace cannot hold
@@ -97,8 +100,11 @@ class WholeStep:
             return None
         finally:
             self._template = None
-        if self._routes:  # MLX made a trace this call: it counts only if every attention took the kernel
-            self.usable = all(r == "kernel" for r in self._routes)
+        if self._routes is not None:  # MLX made a trace this call: kept only if every attention took the kernel
+            self.usable = bool(self._routes) and all(r == "kernel" for r in self._routes)
+            if not self.usable:
+                log.warning("decode steps stay on the per-layer chain: attention in the whole step's trace did not "
+                            "take the paged decode kernel")
         if not self.usable:
             self.usable, self.compiled = False, None
             return None
@@ -125,8 +131,7 @@ class WholeStep:
         shadow_pool = replace(pool, keys=keys, values=values, _indices={})
         for i, layer in enumerate(self.layers):
             h = layer(h, None, LayerContext(shadow_batch, shadow_pool, i))
-        for tables in groups:
-            self._routes.extend(tables.attn.__dict__.get("_paged_attention_routes", {}).values())
+        self._routes = [r for t in groups for r in t.attn.__dict__.get("_paged_attention_routes", {}).values()]
         return (h, *_arrays(shadow_pool))
 
 

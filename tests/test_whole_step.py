@@ -26,8 +26,8 @@ from scheduler_double import SchedulerDouble
 
 # On a GPU the real kernels run in the trace and tests/test_gpu_dtype.py checks them against mlx-lm
 # within bf16's tolerance; float32 greedy equality is the CPU's contract.
-pytestmark = pytest.mark.skipif(kernels.gpu_backend() is not None,
-                                reason="a GPU backend is active: the trace runs the real kernels there (test_gpu_dtype.py)")
+ON_GPU = kernels.gpu_backend() is not None
+cpu_only = pytest.mark.skipif(ON_GPU, reason="a GPU backend is active: the trace runs the real kernels there")
 
 BLOCK_SIZE = 4  # 16 blocks = 64 tokens: the requests below cross table widths 16 -> 32
 NUM_BLOCKS = 160
@@ -80,6 +80,7 @@ def run_requests(folder, prompts, max_tokens):
     return [out[f"r{i}"] for i in range(len(prompts))], ran, widths, whole
 
 
+@cpu_only
 @pytest.mark.parametrize("family", ["qwen3", "gpt_oss"])
 def test_decode_steps_as_one_trace_equal_mlx_lm(family, tmp_path, decode_kernel_standin):
     """Three requests of different lengths decoding together, past a table width: every decode step
@@ -97,6 +98,7 @@ def test_decode_steps_as_one_trace_equal_mlx_lm(family, tmp_path, decode_kernel_
     assert widths >= {16, 32}
 
 
+@cpu_only
 def test_a_trace_whose_attention_is_not_the_kernel_is_dropped(llama_model, monkeypatch, decode_kernel_standin):
     """Where the kernel does not take the step (here: supports says no), the trace would freeze the
     reference's host-planned gathers: it is dropped, and the chain serves every step, exactly."""
@@ -114,6 +116,7 @@ def test_table_widths_are_powers_of_two_from_16():
     assert [whole_step.table_width(n) for n in (1, 16, 17, 33, 100)] == [16, 16, 32, 64, 128]
 
 
+@cpu_only
 def test_the_trace_writes_the_pool_in_place(llama_model, decode_kernel_standin):
     """The pool goes into the trace and comes back out: with nothing else holding it, MLX writes its
     K/V rows in place, so a step never copies the pool (the address of its buffer stays)."""
@@ -145,3 +148,35 @@ def test_latent_attention_stays_on_the_chain(tmp_path):
 
     assert whole("deepseek_v3").usable is False
     assert whole("qwen3").usable is None  # not decided until its first trace
+
+
+def test_the_trace_equals_the_chain_past_several_partitions(llama_model, request):
+    """One long request decoding, through the trace and through the per-layer chain: the same
+    tokens, and logits equal within float32 rounding. Its context (a 600-token prompt) makes the
+    decode kernel split it; the trace plans for the 1024-token bucket, so its last partitions are
+    empty. On a GPU the real kernels run; on the CPU the stand-in."""
+    if not ON_GPU:
+        request.getfixturevalue("decode_kernel_standin")
+    prompt = [(11 * i) % 700 + 3 for i in range(600)]
+    runs = {}
+    for whole in (True, False):
+        shard = load_shard(resolve_model(llama_model))
+        runner = StageRunner(shard, KVPool.allocate(shard.caches, NUM_BLOCKS + 40, BLOCK_SIZE, shard.dtype))
+        if not whole:
+            runner.chain.whole.usable = False
+        logits, plain = [], shard.logits
+
+        def caught(hidden, plain=plain, logits=logits):
+            out = plain(hidden)
+            logits.append(out)
+            return out
+
+        shard.logits = caught
+        sched = SchedulerDouble(lambda step: {r: s.token_id for r, s in runner.step(step).sampled.items()},
+                                NUM_BLOCKS + 40, BLOCK_SIZE)
+        sched.add("long", prompt, 12)
+        runs[whole] = (sched.run()["long"], [np.array(x.astype(mx.float32)) for x in logits], runner.chain.whole.usable)
+    (tokens, logits, usable), (chain_tokens, chain_logits, _) = runs[True], runs[False]
+    assert usable and tokens == chain_tokens
+    for got, want in zip(logits, chain_logits):
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)

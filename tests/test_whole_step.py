@@ -180,3 +180,29 @@ def test_the_trace_equals_the_chain_past_several_partitions(llama_model, request
     assert usable and tokens == chain_tokens
     for got, want in zip(logits, chain_logits):
         np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3)
+
+
+@cpu_only
+def test_traces_past_the_limit_give_way_to_the_latest(llama_model, monkeypatch, decode_kernel_standin):
+    """One trace per (batch size, table width), at most MAX_TRACES kept: with a limit of one, every
+    change of shape makes a new trace in place of the last, and the tokens stay mlx-lm's."""
+    monkeypatch.setattr(whole_step, "MAX_TRACES", 1)
+    keys, original = [], whole_step.WholeStep._compiled
+
+    def seen(self, key):
+        keys.append(key)
+        return original(self, key)
+
+    monkeypatch.setattr(whole_step.WholeStep, "_compiled", seen)
+    ref_model, tokenizer = load(str(llama_model))
+    prompts = [tokenizer.encode("Tea or coffee?"), tokenizer.encode("Numbers 12345 and 67890, and more numbers")]
+    shard = load_shard(resolve_model(llama_model))
+    runner = StageRunner(shard, KVPool.allocate(shard.caches, NUM_BLOCKS, BLOCK_SIZE, shard.dtype))
+    sched = SchedulerDouble(lambda step: {r: s.token_id for r, s in runner.step(step).sampled.items()},
+                            NUM_BLOCKS, BLOCK_SIZE)
+    sched.add("short", prompts[0], 8)
+    sched.add("long", prompts[1], 60)
+    out = sched.run()
+    assert out["short"] == mlx_lm_greedy(ref_model, prompts[0], 8)
+    assert out["long"] == mlx_lm_greedy(ref_model, prompts[1], 60)
+    assert len(set(keys)) >= 3 and len(runner.chain.whole.traces) == 1 and runner.chain.whole.usable

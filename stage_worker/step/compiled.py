@@ -35,6 +35,9 @@ class CompileSwitch:
     inputs: tuple = ()
     bind: Callable[[tuple], tuple] = field(default=lambda inputs: ())
     generation: int = 0  # bumped when constants the traces captured change
+    # Bumped when layers change their modules (fused projections split back for an adapter): what
+    # traces that never hold adapter state follow (`whole_step.py`), not every adapter upload.
+    layers_changed: int = 0
 
 
 class Traced:

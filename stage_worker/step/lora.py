@@ -98,6 +98,7 @@ class LoRABank:
             # An adapter wraps q_proj, gate_proj, ...: a layer loaded fused gets them back.
             if 0 <= local < len(self.layers) and fuse.unfuse_layer(self.layers[local]):
                 self.switch.generation += 1
+                self.switch.layers_changed += 1
         weights = {}
         for t in req.tensors:
             local = t.layer - self.start

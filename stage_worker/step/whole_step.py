@@ -20,6 +20,8 @@ would freeze, and those stages stay on the decode chain.
 
 import logging
 import os
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import mlx.core as mx
@@ -37,6 +39,9 @@ log = logging.getLogger(__name__)
 ENABLED = os.environ.get("METAL_CLUSTER_WHOLE_STEP", "1") != "0"
 
 MIN_BLOCKS = 16  # the smallest block-table width a trace is made for
+# Traces kept, the most recently used: each (batch size, table widths) is one whole-model trace, and
+# MLX searches a compiled function's traces one by one, so each key gets a function of its own.
+MAX_TRACES = 64
 
 
 def table_width(blocks: int) -> int:
@@ -65,8 +70,8 @@ class WholeStep:
         # MLA's latent attention (families/deepseek_v3.py) re-plans its decodes from host values.
         plain = all(isinstance(split_mixer(layer), PagedAttention) for layer in layers)
         self.usable: bool | None = None if ENABLED and plain else False  # None until the first trace says
-        self.generation = None
-        self.compiled = None
+        self.layers_changed = None  # the switch's count the traces were made at
+        self.traces: OrderedDict[tuple, Callable] = OrderedDict()  # (batch size, widths) -> compiled step
         self._layout: _Inputs | None = None
         self._template = None  # (batch, pool) the trace being made copies what it does not take as input
         self._routes: list | None = None  # the attention routes of the trace MLX is making, while it does
@@ -80,23 +85,24 @@ class WholeStep:
     def run(self, h: mx.array, batch, pool) -> mx.array | None:
         """h [1, B, hidden] through every layer in one call; None if the trace is unusable (the
         caller then runs the chain)."""
-        if self.compiled is None or self.generation != self.switch.generation:
-            self.compiled, self.generation = mx.compile(self._traced), self.switch.generation
-        flat = []
+        flat, widths = [], []
         for tables in batch.groups:
             meta = tables.attn
             have = meta.block_tables.shape[1]
             width = table_width(max(have, -(-max(meta.seq_lens_host) // pool.block_size)))
             padded = meta.block_tables if width == have else mx.pad(meta.block_tables, [(0, 0), (0, width - have)])
             flat += [tables.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, padded]
+            widths.append(width)
+        compiled = self._compiled((batch.positions.shape[0], *widths))
         self._layout = _Inputs(len(batch.groups), [k is not None for k in pool.keys], [v is not None for v in pool.values])
         self._template, self._routes = (batch, pool), None
         try:
-            out = self.compiled(h, batch.positions, *flat, *_arrays(pool))
+            out = compiled(h, batch.positions, *flat, *_arrays(pool))
         except Exception as e:  # a layer that needs host values a trace cannot hold
             log.warning("decode steps stay on the per-layer chain: one trace of the whole step failed (%s: %s)",
                         type(e).__name__, e)
-            self.usable, self.compiled = False, None
+            self.usable = False
+            self.traces.clear()
             return None
         finally:
             self._template = None
@@ -106,12 +112,28 @@ class WholeStep:
                 log.warning("decode steps stay on the per-layer chain: attention in the whole step's trace did not "
                             "take the paged decode kernel")
         if not self.usable:
-            self.usable, self.compiled = False, None
+            self.usable = False
+            self.traces.clear()
             return None
         h, rest = out[0], list(out[1:])
         pool.keys[:] = [rest.pop(0) if k else None for k in self._layout.keys]  # the same lists: holders see the new arrays
         pool.values[:] = [rest.pop(0) if v else None for v in self._layout.values]
         return h
+
+    def _compiled(self, key: tuple) -> Callable:
+        """The compiled step for one (batch size, widths), made on first use; the least recently used
+        goes past MAX_TRACES, and all go when the layers' modules change."""
+        if self.layers_changed != self.switch.layers_changed:
+            self.traces.clear()
+            self.layers_changed = self.switch.layers_changed
+        compiled = self.traces.get(key)
+        if compiled is None:
+            compiled = self.traces[key] = mx.compile(self._traced)
+            while len(self.traces) > MAX_TRACES:
+                self.traces.popitem(last=False)
+        else:
+            self.traces.move_to_end(key)
+        return compiled
 
     def _traced(self, h, positions, *arrays):
         """Runs only while MLX traces: each layer as it is, on a batch and pool made of the inputs."""

@@ -9,13 +9,13 @@ step can be one trace instead:
   the longest context. The trace plans for a context rounded up to a power-of-two number of blocks
   (the block tables are padded to it with the null block) and reads each request's real length
   from `seq_lens` on the device; the partitions past it are empty. So the plan follows from the
-  inputs' shapes, and MLX keeps one trace per (batch size, context bucket);
+  inputs' shapes: one trace per (batch size, table width), the most recently used kept;
 - the pool's arrays go in as inputs and come back as outputs; once the runner holds the outputs
   nothing else references the inputs, so MLX still writes them in place.
 
 A trace is kept only if every attention call in it took the decode kernel: anything else (the
-CPU backend, a recurrent layer, a shape the kernel does not take) depends on host values a trace
-would freeze, and those stages stay on the decode chain.
+CPU backend, a recurrent layer, MLA's latent attention, a shape the kernel does not take) depends on
+host values a trace would freeze, and those stages stay on the decode chain.
 """
 
 import logging

@@ -12,6 +12,7 @@ the compiled calls and the nodes they make, attention's nodes, the rest built op
 with --mlx-lm, mlx-lm's on the same folder.
 
   python3 bench/step_profile.py FOLDER [FOLDER ...] [--steps 32] [--mlx-lm] [--compile on|off|both] [--ops]
+      [--num-blocks 64]
 """
 
 import argparse
@@ -165,6 +166,8 @@ def main():
     parser.add_argument("--mlx-lm", action="store_true", help="also split mlx-lm's own decode loop")
     parser.add_argument("--compile", choices=tuple(COMPILE_CHOICES), default="on",
                         help="the decode step's pure parts through mx.compile (stage_worker/step/compiled.py), as serve runs them, or not, or both")
+    parser.add_argument("--num-blocks", type=int, default=64,
+                        help="the KV pool's blocks: what serve would allocate (e.g. 2377, gpu_serving's) to see whether the pool's size moves a step")
     parser.add_argument("--ops", action="store_true", help="also count the MLX ops of a decode step (bench/graph_ops.py)")
     args = parser.parse_args()
     print(f"device: {mx.default_device()}")
@@ -176,7 +179,7 @@ def main():
             cells = " | ".join(f"{r.get(k, 0.0):.2f}" for k in ("launch", "prepare", "graph", "submit", "wait"))
             print(f"| {folder.name} | mlx-lm | {r['step_ms']:.2f} | {cells} |", flush=True)
             mx.clear_cache()
-        host = graph_ops.build_host(folder, num_blocks=64)
+        host = graph_ops.build_host(folder, num_blocks=args.num_blocks)
         clock = Clock()
         instrument(host, clock)
         stream = mx.new_stream(mx.default_device())

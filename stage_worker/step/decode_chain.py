@@ -31,7 +31,7 @@ class DecodeChain:
         self.seams = [Traced(self._traced(self._seam, i), self) for i in range(n)]
         self.tails = [Traced(self._traced(self._tail, i), self) for i in range(n)]
         self.counts = (0, 0)  # (parts from the middle, arrays the next mixer reads) of the call being traced
-        self.whole = WholeStep(layers, switch)  # on a GPU: the whole step as one trace, where it applies
+        self.whole = WholeStep(layers, self.mixers, switch)  # on a GPU: the whole step as one trace, where it applies
 
     def run(self, h: mx.array, batch, pool, compiled: bool, inputs: tuple = ()) -> mx.array:
         """h [1, T, hidden] through every layer: through the traces when `compiled` (a step whose

@@ -22,7 +22,7 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -31,7 +31,7 @@ from metal_cluster import kernels
 from metal_cluster.kernels import AttentionMetadata
 from metal_cluster.stage_worker.step.attention import LayerContext, PagedAttention
 from metal_cluster.stage_worker.step.batch import GroupTables
-from metal_cluster.stage_worker.step.compiled import CompileSwitch, split_mixer
+from metal_cluster.stage_worker.step.compiled import CompileSwitch
 
 log = logging.getLogger(__name__)
 
@@ -52,27 +52,18 @@ def table_width(blocks: int) -> int:
     return width
 
 
-@dataclass
-class _Inputs:
-    """How the trace's flat inputs are laid out, for one pool layout."""
-
-    groups: int
-    keys: list[bool]  # which pool keys entries are arrays (all of them)
-    values: list[bool]  # which values entries are arrays (None for a shared_kv layer)
-
-
 class WholeStep:
     """Decode steps of one stage's layers as one mx.compile trace (see the module's doc)."""
 
-    def __init__(self, layers: list[nn.Module], switch: CompileSwitch):
+    def __init__(self, layers: list[nn.Module], mixers: list, switch: CompileSwitch):
+        """`mixers`: each layer's split token mixer (`compiled.split_mixer`), as the chain found them."""
         self.layers, self.switch = layers, switch
         # Attention that hands the kernel the step's metadata as the trace builds it: PagedAttention's.
         # MLA's latent attention (families/deepseek_v3.py) re-plans its decodes from host values.
-        plain = all(isinstance(split_mixer(layer), PagedAttention) for layer in layers)
+        plain = all(isinstance(m, PagedAttention) for m in mixers)
         self.usable: bool | None = None if ENABLED and plain else False  # None until the first trace says
         self.layers_changed = None  # the switch's count the traces were made at
         self.traces: OrderedDict[tuple, Callable] = OrderedDict()  # (batch size, widths) -> compiled step
-        self._layout: _Inputs | None = None
         self._template = None  # (batch, pool) the trace being made copies what it does not take as input
         self._routes: list | None = None  # the attention routes of the trace MLX is making, while it does
 
@@ -94,7 +85,6 @@ class WholeStep:
             flat += [tables.slot_mapping, meta.cu_seqlens_q, meta.seq_lens, padded]
             widths.append(width)
         compiled = self._compiled((batch.positions.shape[0], *widths))
-        self._layout = _Inputs(len(batch.groups), [k is not None for k in pool.keys], [v is not None for v in pool.values])
         self._template, self._routes = (batch, pool), None
         try:
             out = compiled(h, batch.positions, *flat, *_arrays(pool))
@@ -115,10 +105,8 @@ class WholeStep:
             self.usable = False
             self.traces.clear()
             return None
-        h, rest = out[0], list(out[1:])
-        pool.keys[:] = [rest.pop(0) if k else None for k in self._layout.keys]  # the same lists: holders see the new arrays
-        pool.values[:] = [rest.pop(0) if v else None for v in self._layout.values]
-        return h
+        pool.keys[:], pool.values[:] = _unflat(pool, out[1:])  # the same lists: holders see the new arrays
+        return out[0]
 
     def _compiled(self, key: tuple) -> Callable:
         """The compiled step for one (batch size, widths), made on first use; the least recently used
@@ -138,9 +126,9 @@ class WholeStep:
     def _traced(self, h, positions, *arrays):
         """Runs only while MLX traces: each layer as it is, on a batch and pool made of the inputs."""
         batch, pool = self._template
-        layout = self._layout
-        groups, pool_arrays = [], list(arrays[4 * layout.groups:])
-        for g in range(layout.groups):
+        n = len(batch.groups)
+        groups = []
+        for g in range(n):
             slots, cu_seqlens_q, seq_lens, tables = arrays[4 * g: 4 * g + 4]
             num_reqs, width = tables.shape
             # The plan's host view of the step: every request at the bucket's full context.
@@ -148,8 +136,7 @@ class WholeStep:
                                      query_lens_host=[1] * num_reqs, seq_lens_host=[width * pool.block_size] * num_reqs)
             groups.append(GroupTables(slots, meta))
         shadow_batch = replace(batch, positions=positions, groups=groups)
-        keys = [pool_arrays.pop(0) if k else None for k in layout.keys]
-        values = [pool_arrays.pop(0) if v else None for v in layout.values]
+        keys, values = _unflat(pool, arrays[4 * n:])
         shadow_pool = replace(pool, keys=keys, values=values, _indices={})
         for i, layer in enumerate(self.layers):
             h = layer(h, None, LayerContext(shadow_batch, shadow_pool, i))
@@ -158,5 +145,12 @@ class WholeStep:
 
 
 def _arrays(pool) -> list[mx.array]:
-    """The pool's arrays in the trace's order: keys, then values."""
-    return [a for a in pool.keys if a is not None] + [v for v in pool.values if v is not None]
+    """The pool's arrays in the trace's order: keys, then values (a shared_kv layer has none)."""
+    return pool.keys + [v for v in pool.values if v is not None]
+
+
+def _unflat(pool, arrays) -> tuple[list, list]:
+    """`_arrays`' inverse: keys and values lists shaped as `pool`'s, holding `arrays`."""
+    it = iter(arrays)
+    keys = [next(it) for _ in pool.keys]
+    return keys, [None if v is None else next(it) for v in pool.values]

@@ -58,10 +58,20 @@ def decode_kernel_standin(monkeypatch):
     monkeypatch.setattr(fast, "paged_attention_kernel", traceable_decode)
 
 
+def make_runner(folder, num_blocks=NUM_BLOCKS) -> StageRunner:
+    shard = load_shard(resolve_model(folder))
+    return StageRunner(shard, KVPool.allocate(shard.caches, num_blocks, BLOCK_SIZE, shard.dtype))
+
+
+def greedy(runner: StageRunner, num_blocks=NUM_BLOCKS) -> SchedulerDouble:
+    """The tests' scheduler stand-in stepping `runner`, each step waited for."""
+    return SchedulerDouble(lambda step: {r: s.token_id for r, s in runner.step(step).sampled.items()},
+                           num_blocks, BLOCK_SIZE)
+
+
 def run_requests(folder, prompts, max_tokens):
     """Greedy tokens of every prompt through one stage's runner, and the whole-step calls that ran."""
-    shard = load_shard(resolve_model(folder))
-    runner = StageRunner(shard, KVPool.allocate(shard.caches, NUM_BLOCKS, BLOCK_SIZE, shard.dtype))
+    runner = make_runner(folder)
     whole = runner.chain.whole
     ran, widths, original = [], set(), whole.run
 
@@ -72,8 +82,7 @@ def run_requests(folder, prompts, max_tokens):
         return out
 
     whole.run = counted
-    sched = SchedulerDouble(lambda step: {r: s.token_id for r, s in runner.step(step).sampled.items()},
-                            NUM_BLOCKS, BLOCK_SIZE)
+    sched = greedy(runner)
     for i, p in enumerate(prompts):
         sched.add(f"r{i}", p, max_tokens)
     out = sched.run()
@@ -120,8 +129,7 @@ def test_table_widths_are_powers_of_two_from_16():
 def test_the_trace_writes_the_pool_in_place(llama_model, decode_kernel_standin):
     """The pool goes into the trace and comes back out: with nothing else holding it, MLX writes its
     K/V rows in place, so a step never copies the pool (the address of its buffer stays)."""
-    shard = load_shard(resolve_model(llama_model))
-    runner = StageRunner(shard, KVPool.allocate(shard.caches, 64, BLOCK_SIZE, shard.dtype))
+    runner = make_runner(llama_model, 64)
     addresses = []
 
     def step(request):
@@ -143,8 +151,7 @@ def test_latent_attention_stays_on_the_chain(tmp_path):
     """MLA's attention (deepseek_v3) re-plans its decodes from host values, which a trace would
     freeze: its stages never take the whole step; plain paged attention's may."""
     def whole(family):
-        shard = load_shard(resolve_model(tiny_models.build_tiny_model(family, tmp_path / family)))
-        return StageRunner(shard, KVPool.allocate(shard.caches, 8, BLOCK_SIZE, shard.dtype)).chain.whole
+        return make_runner(tiny_models.build_tiny_model(family, tmp_path / family), 8).chain.whole
 
     assert whole("deepseek_v3").usable is False
     assert whole("qwen3").usable is None  # not decided until its first trace
@@ -160,8 +167,8 @@ def test_the_trace_equals_the_chain_past_several_partitions(llama_model, request
     prompt = [(11 * i) % 700 + 3 for i in range(600)]
     runs = {}
     for whole in (True, False):
-        shard = load_shard(resolve_model(llama_model))
-        runner = StageRunner(shard, KVPool.allocate(shard.caches, NUM_BLOCKS + 40, BLOCK_SIZE, shard.dtype))
+        runner = make_runner(llama_model, NUM_BLOCKS + 40)
+        shard = runner.shard
         if not whole:
             runner.chain.whole.usable = False
         logits, plain = [], shard.logits
@@ -172,8 +179,7 @@ def test_the_trace_equals_the_chain_past_several_partitions(llama_model, request
             return out
 
         shard.logits = caught
-        sched = SchedulerDouble(lambda step: {r: s.token_id for r, s in runner.step(step).sampled.items()},
-                                NUM_BLOCKS + 40, BLOCK_SIZE)
+        sched = greedy(runner, NUM_BLOCKS + 40)
         sched.add("long", prompt, 12)
         runs[whole] = (sched.run()["long"], [np.array(x.astype(mx.float32)) for x in logits], runner.chain.whole.usable)
     (tokens, logits, usable), (chain_tokens, chain_logits, _) = runs[True], runs[False]
@@ -196,10 +202,8 @@ def test_traces_past_the_limit_give_way_to_the_latest(llama_model, monkeypatch, 
     monkeypatch.setattr(whole_step.WholeStep, "_compiled", seen)
     ref_model, tokenizer = load(str(llama_model))
     prompts = [tokenizer.encode("Tea or coffee?"), tokenizer.encode("Numbers 12345 and 67890, and more numbers")]
-    shard = load_shard(resolve_model(llama_model))
-    runner = StageRunner(shard, KVPool.allocate(shard.caches, NUM_BLOCKS, BLOCK_SIZE, shard.dtype))
-    sched = SchedulerDouble(lambda step: {r: s.token_id for r, s in runner.step(step).sampled.items()},
-                            NUM_BLOCKS, BLOCK_SIZE)
+    runner = make_runner(llama_model)
+    sched = greedy(runner)
     sched.add("short", prompts[0], 8)
     sched.add("long", prompts[1], 60)
     out = sched.run()

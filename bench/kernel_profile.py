@@ -44,21 +44,14 @@ from scheduler_double import SchedulerDouble  # noqa: E402
 import gpu_serving  # noqa: E402
 import graph_ops  # noqa: E402
 
-from metal_cluster.kernels import gpu as gpu_kernels  # noqa: E402
 from metal_cluster.stage_worker.model import fuse  # noqa: E402
 
 PROMPT = list(range(1000, 1128))
 DEVICE_EVENTS = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-DEFAULT_MIN_PARTITION = gpu_kernels.MIN_PARTITION["cuda"]
-
-
-def ours(folder: Path, num_blocks: int, tokens: int, min_partition: int = DEFAULT_MIN_PARTITION):
-    """Our stage's decode, one step ahead, of a request of `tokens` tokens: returns (step, finish).
-    `min_partition` is CUDA's shortest decode partition while it runs (the plan is made as a step
-    is traced, so it stays set until the next loop is built)."""
-    gpu_kernels.MIN_PARTITION["cuda"] = min_partition
+def ours(folder: Path, num_blocks: int, tokens: int):
+    """Our stage's decode, one step ahead, of a request of `tokens` tokens: returns (step, finish)."""
     host = graph_ops.build_host(folder, num_blocks=num_blocks)
     next_id = [host.next_step]
 
@@ -115,15 +108,13 @@ def record(step, steps: int, warm: int = WARM) -> tuple[float, list[dict]]:
     return 1000 * wall, [e for e in events if e.get("cat") in DEVICE_EVENTS and "dur" in e]
 
 
-def short_name(event: dict, by_grid: bool) -> str:
-    """A kernel's name without its arguments, shortened; with by_grid, its launch grid after it."""
-    name = re.sub(r"\(.*\)$", "", event["name"])
-    name = name if len(name) <= 90 else name[:87] + "..."
-    grid = event.get("args", {}).get("grid")
-    return f"{name} {grid}" if by_grid and grid else name
+def short_name(name: str) -> str:
+    """A kernel's name without its template arguments' noise, for grouping."""
+    name = re.sub(r"\(.*\)$", "", name)
+    return name if len(name) <= 90 else name[:87] + "..."
 
 
-def summarize(wall_ms: float, events: list[dict], steps: int, top: int, by_grid: bool) -> dict:
+def summarize(wall_ms: float, events: list[dict], steps: int, top: int) -> dict:
     if not events:
         return dict(wall_ms=wall_ms, busy_ms=0.0, idle=None, kernels=0.0, top=[])
     spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)  # microseconds
@@ -134,7 +125,7 @@ def summarize(wall_ms: float, events: list[dict], steps: int, top: int, by_grid:
     span = spans[-1][1] - spans[0][0]
     by_name = defaultdict(list)
     for e in events:
-        by_name[short_name(e, by_grid)].append(e["dur"])
+        by_name[short_name(e["name"])].append(e["dur"])
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     return dict(
         wall_ms=wall_ms, busy_ms=busy / steps / 1000, idle=1 - busy / span, kernels=len(events) / steps,
@@ -159,9 +150,6 @@ def main():
     ap.add_argument("--unfused", action="store_true", help="also our stage with separate projections")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--top", type=int, default=14)
-    ap.add_argument("--by-grid", action="store_true", help="kernels told apart by launch grid too (a matmul's shapes)")
-    ap.add_argument("--min-partitions", default="",
-                    help="our loops once per CUDA decode MIN_PARTITION in this comma-separated list (default: as set)")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/gpu-serving"))
     ap.add_argument("--small", action="store_true", help="gpu_serving's tiny shape: a smoke test of the script")
     ap.add_argument("--json", type=Path)
@@ -176,9 +164,6 @@ def main():
         loops = [("mlx-lm", lambda f=folders[fmt]: mlx_lm(f, tokens))]
         loops += [(f"ours, {n} blocks", lambda f=folders[fmt], n=int(n): ours(f, n, tokens))
                   for n in args.num_blocks.split(",")]
-        last = int(args.num_blocks.split(",")[-1])
-        loops += [(f"ours, {last} blocks, partitions >= {m}", lambda f=folders[fmt], m=int(m): ours(f, last, tokens, m))
-                  for m in filter(None, args.min_partitions.split(","))]
         if args.unfused:
             first = int(args.num_blocks.split(",")[0])
             loops.append((f"ours, {first} blocks, unfused", lambda f=folders[fmt]: unfused(f, first, tokens)))
@@ -186,7 +171,7 @@ def main():
             step, finish = build()
             wall, events = record(step, args.steps)
             finish()
-            r = summarize(wall, events, args.steps, args.top, args.by_grid)
+            r = summarize(wall, events, args.steps, args.top)
             show(f"{fmt}, {label}", r)
             results.append(dict(format=fmt, loop=label, **r))
             del step, finish

@@ -638,15 +638,11 @@ def build_kernel(kind: str, backend: str, head_dim: int, gqa: int, itemsize: int
 # Enough threadgroups to keep every SM / GPU core busy with several resident groups each (an
 # H200 has 132 SMs; Apple GPUs have 10-80 cores). Below this, decode splits the context.
 TARGET_THREADGROUPS = {"cuda": 2048, "metal": 512}
-# The shortest partition worth a split. On CUDA a batch-1 decode at a few hundred tokens is 8
-# threadgroups on 132 SMs, each walking its keys alone; 64-token partitions plus the merge pass
-# took it from 17 to N us a layer on an H200 (bench/README.md, "A decode step's kernels").
-MIN_PARTITION = {"cuda": 64, "metal": 256}
+MIN_PARTITION = 256
 
 
 def plan_decode_splits(num_reqs: int, kv_heads: int, max_ctx: int,
-                       target: int = TARGET_THREADGROUPS["metal"],
-                       min_partition: int = MIN_PARTITION["metal"]) -> tuple[int, int]:
+                       target: int = TARGET_THREADGROUPS["metal"], min_partition: int = MIN_PARTITION) -> tuple[int, int]:
     """(num_splits, partition tokens) for a decode batch.
 
     Split the context only when (request, kv head) pairs alone cannot fill the GPU, and never into
@@ -789,8 +785,7 @@ def _decode_launch(q, meta, scale, window, backend, num_reqs, kv_heads, gqa, has
     tiles = plan.head_tiles
     # Partitions cover absolute positions; with a sliding window the early ones are simply empty.
     max_ctx = max(meta.seq_lens_host)
-    splits, partition = plan_decode_splits(num_reqs, kv_heads * tiles, max_ctx, TARGET_THREADGROUPS[backend],
-                                           MIN_PARTITION[backend])
+    splits, partition = plan_decode_splits(num_reqs, kv_heads * tiles, max_ctx, TARGET_THREADGROUPS[backend])
     step = _step_arrays(meta, scale, kv_heads, window, partition, splits)
     fixed = [meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, step.params, step.scale, step.kvh]
     groups = num_reqs * kv_heads * tiles * splits

@@ -15,7 +15,7 @@ under vLLM's async scheduling, once per `--num-blocks` (the pool's size), and wi
 more with METAL_CLUSTER_FUSE=0's separate projections. Folders are bench/gpu_serving.py's.
 
 On the GPU machine (a CUDA torch beside MLX's CUDA build):
-    python3 bench/kernel_profile.py [--formats 4bit,bf16] [--num-blocks 64,2377] [--unfused] [--steps 32] [--json out.json]
+    python3 bench/kernel_profile.py [--formats 4bit,bf16] [--num-blocks 64,2377] [--unfused] [--by-grid] [--steps 32] [--json out.json]
 Here (no CUDA: the loops run, the kernel table is empty), a smoke test:
     .venv/bin/python bench/kernel_profile.py --small --steps 2
 """
@@ -108,13 +108,15 @@ def record(step, steps: int, warm: int = WARM) -> tuple[float, list[dict]]:
     return 1000 * wall, [e for e in events if e.get("cat") in DEVICE_EVENTS and "dur" in e]
 
 
-def short_name(name: str) -> str:
-    """A kernel's name without its template arguments' noise, for grouping."""
-    name = re.sub(r"\(.*\)$", "", name)
-    return name if len(name) <= 90 else name[:87] + "..."
+def short_name(event: dict, by_grid: bool) -> str:
+    """A kernel's name without its arguments, shortened; with by_grid, its launch grid after it."""
+    name = re.sub(r"\(.*\)$", "", event["name"])
+    name = name if len(name) <= 90 else name[:87] + "..."
+    grid = event.get("args", {}).get("grid")
+    return f"{name} {grid}" if by_grid and grid else name
 
 
-def summarize(wall_ms: float, events: list[dict], steps: int, top: int) -> dict:
+def summarize(wall_ms: float, events: list[dict], steps: int, top: int, by_grid: bool) -> dict:
     if not events:
         return dict(wall_ms=wall_ms, busy_ms=0.0, idle=None, kernels=0.0, top=[])
     spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events)  # microseconds
@@ -125,7 +127,7 @@ def summarize(wall_ms: float, events: list[dict], steps: int, top: int) -> dict:
     span = spans[-1][1] - spans[0][0]
     by_name = defaultdict(list)
     for e in events:
-        by_name[short_name(e["name"])].append(e["dur"])
+        by_name[short_name(e, by_grid)].append(e["dur"])
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
     return dict(
         wall_ms=wall_ms, busy_ms=busy / steps / 1000, idle=1 - busy / span, kernels=len(events) / steps,
@@ -150,6 +152,7 @@ def main():
     ap.add_argument("--unfused", action="store_true", help="also our stage with separate projections")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--by-grid", action="store_true", help="kernels told apart by launch grid too (a matmul's shapes)")
     ap.add_argument("--work-dir", type=Path, default=Path("/tmp/gpu-serving"))
     ap.add_argument("--small", action="store_true", help="gpu_serving's tiny shape: a smoke test of the script")
     ap.add_argument("--json", type=Path)
@@ -171,7 +174,7 @@ def main():
             step, finish = build()
             wall, events = record(step, args.steps)
             finish()
-            r = summarize(wall, events, args.steps, args.top)
+            r = summarize(wall, events, args.steps, args.top, args.by_grid)
             show(f"{fmt}, {label}", r)
             results.append(dict(format=fmt, loop=label, **r))
             del step, finish

@@ -157,13 +157,15 @@ def test_latent_attention_stays_on_the_chain(tmp_path):
     assert whole("qwen3").usable is None  # not decided until its first trace
 
 
-def test_the_trace_equals_the_chain_past_several_partitions(llama_model, request):
+def test_the_trace_equals_the_chain_past_several_partitions(tmp_path, request):
     """One long request decoding, through the trace and through the per-layer chain: the same
     tokens, and logits equal within float32 rounding. Its context (a 600-token prompt) makes the
     decode kernel split it; the trace plans for the 1024-token bucket, so its last partitions are
-    empty. On a GPU the real kernels run; on the CPU the stand-in."""
+    empty. On a GPU the real kernels run (head dim 32: the kernels take multiples of 32, and the
+    trace is dropped where attention is not theirs); on the CPU the stand-in."""
     if not ON_GPU:
         request.getfixturevalue("decode_kernel_standin")
+    llama_model = tiny_models.build_tiny_model("llama", tmp_path / "llama-d32", hidden_size=128)
     prompt = [(11 * i) % 700 + 3 for i in range(600)]
     runs = {}
     for whole in (True, False):

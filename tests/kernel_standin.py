@@ -150,6 +150,7 @@ static float emu_shfl_xor(float x, int m, int line) {
 #define __syncthreads() emu_wait(emu_block)
 #define __syncwarp() emu_wait(emu_warps[threadIdx.x / 32].bar)
 #define __expf(x) expf(x)
+#define rsqrtf(x) (1.0f / std::sqrt(x))
 #define __shared__ static
 #define __device__
 #define __forceinline__ inline

@@ -20,8 +20,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
+from metal_cluster.kernels import gpu_backend, norm_rope
+
 # METAL_CLUSTER_FUSE=0 loads every layer unfused (the benches' A/B switch).
 FUSE = os.environ.get("METAL_CLUSTER_FUSE", "1") != "0"
+# METAL_CLUSTER_NORM_ROPE=0 keeps MLX's separate q/k norm and RoPE ops on fused layers (A/B).
+NORM_ROPE = os.environ.get("METAL_CLUSTER_NORM_ROPE", "1") != "0"
 
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj")
 MLP_PARTS = ("gate_proj", "up_proj")
@@ -48,6 +52,10 @@ def fuse_layer(layer: nn.Module) -> None:
         attn.qkv, attn.qkv_split = _concat(parts), _offsets(parts)
         for name in ATTENTION_PARTS:
             del attn.inner[name]
+        backend = gpu_backend()
+        if NORM_ROPE and backend is not None:
+            head_dim = attn.qkv_split[0] // attn.n_heads
+            attn.norm_rope = norm_rope.plan(attn.inner, attn.n_heads, attn.n_kv_heads, head_dim, backend)
     mlp = layer.get("mlp")  # a MoE block has no gate_proj; Mixtral's layers call theirs otherwise
     parts = [mlp[name] for name in MLP_PARTS] if mlp is not None and all(n in mlp for n in MLP_PARTS) else []
     if parts and _compatible(parts):

@@ -10,6 +10,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from metal_cluster.kernels import paged_attention
+from metal_cluster.kernels.norm_rope import NormRope, norm_rope
 from metal_cluster.stage_worker.step.compiled import SplitMixer
 
 
@@ -35,12 +36,16 @@ class PagedAttention(SplitMixer):
         self.has_sinks = sinks is not None  # the sinks stay a parameter of `inner`
         # On a GPU q/k/v may be one module (`model/fuse.py`): self.qkv, split at these columns.
         self.qkv_split: list[int] | None = None
+        # With q/k/v fused on a GPU, the q/k norms and RoPE as one kernel (`kernels/norm_rope.py`).
+        self.norm_rope: NormRope | None = None
 
     # The split for the compiled decode step (`compiled.SplitMixer`): projections, norms and RoPE;
     # K/V into the pool and attention; o_proj.
     def before(self, x: mx.array, positions: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         a = self.inner
         if self.qkv_split is not None:
+            if self.norm_rope is not None:
+                return self.prepare_fused(self.qkv(x), positions)
             return self.prepare(*mx.split(self.qkv(x), self.qkv_split, axis=-1), positions)
         return self.prepare(a.q_proj(x), a.k_proj(x), a.v_proj(x), positions)
 
@@ -66,6 +71,15 @@ class PagedAttention(SplitMixer):
             k = a.k_norm(k)
         q, k = a.rope(q, offset=positions), a.rope(k, offset=positions)
         return q.reshape(tokens, self.n_heads, -1), k.reshape(tokens, self.n_kv_heads, -1), v
+
+    def prepare_fused(self, qkv: mx.array, positions: mx.array):
+        """`prepare` from the fused product, q/k norms and RoPE in one kernel; v is a view."""
+        a, spec = self.inner, self.norm_rope
+        tokens = positions.shape[0]
+        flat = qkv.reshape(tokens, -1)
+        weights = (a.q_norm.weight, a.k_norm.weight) if spec.norm else ()
+        q, k = norm_rope(flat, positions, spec, *weights)
+        return q, k, flat[:, self.qkv_split[1]:].reshape(tokens, self.n_kv_heads, -1)
 
     def attend_prepared(self, q: mx.array, k: mx.array, v: mx.array, cache: LayerContext) -> mx.array:
         """K/V into the pool, paged attention over it."""

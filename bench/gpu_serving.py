@@ -563,17 +563,38 @@ def ours_in_process(folder: Path, config: dict, wl: Workload, measures, utilizat
     return out
 
 
+# Batch-1 A/B contenders beside the stage as `serve` builds it: name -> what is switched off.
+B1_VARIANTS = {
+    "unfused": "q/k/v and gate/up as separate matmuls (METAL_CLUSTER_FUSE=0, stage_worker/model/fuse.py)",
+    "chain": "every decode step on the per-layer chain (METAL_CLUSTER_WHOLE_STEP=0, stage_worker/step/whole_step.py)",
+    "separate_norm_rope": "q/k norms and RoPE as MLX's four ops a layer (METAL_CLUSTER_NORM_ROPE=0, kernels/norm_rope.py)",
+}
+
+
+def variant_stage(stack, variant: str, folder: Path, config: dict, wl: Workload, utilization: float, ahead: bool):
+    """The driver of our stage with one B1_VARIANTS switch off, entered on `stack`."""
+    from metal_cluster.stage_worker.model import fuse
+
+    if variant == "chain":
+        built, driver = stack.enter_context(our_stage(folder, config, wl, utilization, ahead))
+        built["stage"].runner.chain.whole.usable = False
+        return driver
+    flag = {"unfused": "FUSE", "separate_norm_rope": "NORM_ROPE"}[variant]
+    setting = getattr(fuse, flag)
+    setattr(fuse, flag, False)  # read as the stage loads its layers
+    try:
+        return stack.enter_context(our_stage(folder, config, wl, utilization, ahead))[1]
+    finally:
+        setattr(fuse, flag, setting)
+
+
 def b1_side_by_side(folder: Path, config: dict, wl: Workload, utilization: float, ahead: bool,
-                    unfused: bool = False, chain: bool = False) -> dict:
+                    variants: tuple[str, ...] = ()) -> dict:
     """Batch-1 decode of mlx-lm and of our stage, both loaded at once, measured in alternating
     rounds: a host-bound step moves with the machine by tens of percent within minutes (see
-    bench/README.md), so each round's ratio compares two measurements seconds apart. `unfused`: a
-    third contender, our stage loaded with METAL_CLUSTER_FUSE=0 (q/k/v and gate/up as separate
-    matmuls, `stage_worker/model/fuse.py`), in the same rounds. `chain`: one more, our stage with every decode
-    step on the per-layer chain (`stage_worker/step/whole_step.py` off)."""
+    bench/README.md), so each round's ratio compares two measurements seconds apart. `variants`
+    (B1_VARIANTS): more contenders, our stage with one switch off each, in the same rounds."""
     from mlx_lm.utils import load
-
-    from metal_cluster.stage_worker.model import fuse
 
     tokens = prompt(wl.decode_prompt, config["vocab_size"], 1)
     model, _ = load(str(folder))
@@ -581,29 +602,16 @@ def b1_side_by_side(folder: Path, config: dict, wl: Workload, utilization: float
     try:
         with contextlib.ExitStack() as stack:
             built, driver = stack.enter_context(our_stage(folder, config, wl, utilization, ahead))
-            plain = None
-            if unfused:
-                setting, fuse.FUSE = fuse.FUSE, False
-                try:
-                    _, plain = stack.enter_context(our_stage(folder, config, wl, utilization, ahead))
-                finally:
-                    fuse.FUSE = setting
-            per_layer = None
-            if chain:
-                built_chain, per_layer = stack.enter_context(our_stage(folder, config, wl, utilization, ahead))
-                built_chain["stage"].runner.chain.whole.usable = False
+            others = {v: variant_stage(stack, v, folder, config, wl, utilization, ahead) for v in variants}
             for i in range(wl.b1_rounds):
                 theirs = mlx_lm_batch1(model, tokens, wl.warm, wl.steps)
                 ours = ours_decode(driver, [tokens], wl.warm, wl.steps)
                 rounds.append(dict(mlx_lm=theirs["tok_s"], ours=ours["tok_s"]))
                 line = (f"  b1 round {i + 1}: mlx-lm {theirs['tok_s']:.1f}, ours {ours['tok_s']:.1f} tok/s "
                         f"({ours['tok_s'] / theirs['tok_s']:.2f}x)")
-                if plain is not None:
-                    rounds[-1]["ours_unfused"] = ours_decode(plain, [tokens], wl.warm, wl.steps)["tok_s"]
-                    line += f", ours unfused {rounds[-1]['ours_unfused']:.1f}"
-                if per_layer is not None:
-                    rounds[-1]["ours_chain"] = ours_decode(per_layer, [tokens], wl.warm, wl.steps)["tok_s"]
-                    line += f", ours per-layer chain {rounds[-1]['ours_chain']:.1f}"
+                for v, other in others.items():
+                    rounds[-1][f"ours_{v}"] = ours_decode(other, [tokens], wl.warm, wl.steps)["tok_s"]
+                    line += f", ours {v.replace('_', ' ')} {rounds[-1][f'ours_{v}']:.1f}"
                 print(line, flush=True)
             whole = built["stage"].runner.chain.whole.usable
     finally:
@@ -617,12 +625,9 @@ def b1_side_by_side(folder: Path, config: dict, wl: Workload, utilization: float
     ratios = [r["ours"] / r["mlx_lm"] for r in rounds]
     out = dict(mlx_lm=side("mlx_lm"), ours=side("ours"), ratio_median=statistics.median(ratios),
                ratios=ratios, built=built)
-    if unfused:
-        out["ours_unfused"] = side("ours_unfused")
-        out["unfused_ratio_median"] = statistics.median(r["ours_unfused"] / r["mlx_lm"] for r in rounds)
-    if chain:
-        out["ours_chain"] = side("ours_chain")
-        out["chain_ratio_median"] = statistics.median(r["ours_chain"] / r["mlx_lm"] for r in rounds)
+    for v in variants:
+        out[f"ours_{v}"] = side(f"ours_{v}")
+        out[f"{v}_ratio_median"] = statistics.median(r[f"ours_{v}"] / r["mlx_lm"] for r in rounds)
     out["whole_step"] = whole
     return out
 
@@ -762,9 +767,10 @@ def notes(results: dict) -> list[str]:
         if "ratios" in pair:
             out.append(f"{fmt}: batch 1, both loaded at once, {len(pair['ratios'])} alternating rounds: ours / mlx-lm "
                        f"{', '.join(f'{x:.2f}' for x in pair['ratios'])} (median {pair['ratio_median']:.2f})")
-        if "unfused" in pair:
-            out.append(f"{fmt}: batch 1, ours with q/k/v and gate/up unfused: {pair['unfused']['tok_s']:.1f} tok/s "
-                       f"(median of the rounds; / mlx-lm {pair['unfused_ratio_median']:.2f})")
+        for v, what in B1_VARIANTS.items():
+            if v in pair:
+                out.append(f"{fmt}: batch 1, ours with {what.split(' (')[0]}: {pair[v]['tok_s']:.1f} tok/s "
+                           f"(median of the rounds; / mlx-lm {pair[f'{v}_ratio_median']:.2f})")
         o = r.get("ours", {})
         if "pool_dtype" in o:
             mode = "one step ahead (async scheduling)" if o.get("ahead") else "one step at a time"
@@ -811,10 +817,8 @@ def main():
     ap.add_argument("--small", action="store_true", help="a tiny shape and workload: a smoke test for the CPU")
     ap.add_argument("--memory-utilization", type=float, default=0.5, help="as serve's --gpu-memory-utilization")
     ap.add_argument("--step-timeout", type=float, default=60.0, help="seconds a pipeline step may take")
-    ap.add_argument("--b1-unfused", action="store_true",
-                    help="batch 1 side by side: also our stage with q/k/v and gate/up unfused (METAL_CLUSTER_FUSE=0)")
-    ap.add_argument("--b1-chain", action="store_true",
-                    help="batch 1 side by side: also our stage with decode steps on the per-layer chain (METAL_CLUSTER_WHOLE_STEP=0)")
+    for v, what in B1_VARIANTS.items():
+        ap.add_argument(f"--b1-{v.replace('_', '-')}", action="store_true", help=f"batch 1 side by side: also our stage with {what}")
     ap.add_argument("--sync", action="store_true",
                     help="one stage without async scheduling (as serve with METAL_CLUSTER_NO_OVERLAP=1)")
     args = ap.parse_args()
@@ -851,14 +855,11 @@ def main():
         if "b1" in measures and {"mlx-lm", "ours"} <= set(sections):
             started = time.perf_counter()
             try:
-                pair = b1_side_by_side(folder, config, wl, args.memory_utilization, not args.sync, args.b1_unfused,
-                                       args.b1_chain)
+                variants = tuple(v for v in B1_VARIANTS if getattr(args, f"b1_{v}"))
+                pair = b1_side_by_side(folder, config, wl, args.memory_utilization, not args.sync, variants)
                 r["b1_side_by_side"] = dict(ratio_median=pair["ratio_median"], ratios=pair["ratios"])
-                if "ours_unfused" in pair:
-                    r["b1_side_by_side"].update(unfused=pair["ours_unfused"],
-                                                unfused_ratio_median=pair["unfused_ratio_median"])
-                if "ours_chain" in pair:
-                    r["b1_side_by_side"].update(chain=pair["ours_chain"], chain_ratio_median=pair["chain_ratio_median"])
+                for v in variants:
+                    r["b1_side_by_side"].update({v: pair[f"ours_{v}"], f"{v}_ratio_median": pair[f"{v}_ratio_median"]})
                 r["b1_side_by_side"]["whole_step"] = pair["whole_step"]
                 r["mlx_lm"], r["ours"] = dict(decode_b1=pair["mlx_lm"]), dict(decode_b1=pair["ours"], **pair["built"])
             except Exception as e:

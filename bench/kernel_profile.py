@@ -12,10 +12,11 @@ framework). So each loop decodes under it, and per step it reports:
 Loops: mlx-lm's own decode loop (generate_step's pattern), and our stage built as `serve` builds it
 (StageHost assign + start from the folder, bench/graph_ops.build_host) decoding one step ahead as
 under vLLM's async scheduling, once per `--num-blocks` (the pool's size), and with `--unfused` once
-more with METAL_CLUSTER_FUSE=0's separate projections. Folders are bench/gpu_serving.py's.
+more with METAL_CLUSTER_FUSE=0's separate projections, and with `--separate-norm-rope` once more
+with METAL_CLUSTER_NORM_ROPE=0's four q/k norm and RoPE ops a layer. Folders are bench/gpu_serving.py's.
 
 On the GPU machine (a CUDA torch beside MLX's CUDA build):
-    python3 bench/kernel_profile.py [--formats 4bit,bf16] [--num-blocks 64,2377] [--unfused] [--by-grid] [--steps 32] [--json out.json]
+    python3 bench/kernel_profile.py [--formats 4bit,bf16] [--num-blocks 64,2377] [--unfused] [--separate-norm-rope] [--by-grid] [--steps 32] [--json out.json]
 Here (no CUDA: the loops run, the kernel table is empty), a smoke test:
     .venv/bin/python bench/kernel_profile.py --small --steps 2
 """
@@ -150,6 +151,7 @@ def main():
     ap.add_argument("--formats", default="4bit,bf16")
     ap.add_argument("--num-blocks", default="64,2377", help="our pool's sizes, comma-separated")
     ap.add_argument("--unfused", action="store_true", help="also our stage with separate projections")
+    ap.add_argument("--separate-norm-rope", action="store_true", help="also our stage with MLX's q/k norm and RoPE ops")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--by-grid", action="store_true", help="kernels told apart by launch grid too (a matmul's shapes)")
@@ -167,9 +169,10 @@ def main():
         loops = [("mlx-lm", lambda f=folders[fmt]: mlx_lm(f, tokens))]
         loops += [(f"ours, {n} blocks", lambda f=folders[fmt], n=int(n): ours(f, n, tokens))
                   for n in args.num_blocks.split(",")]
-        if args.unfused:
-            first = int(args.num_blocks.split(",")[0])
-            loops.append((f"ours, {first} blocks, unfused", lambda f=folders[fmt]: unfused(f, first, tokens)))
+        first = int(args.num_blocks.split(",")[0])
+        for flag, label in (("FUSE", "unfused"), ("NORM_ROPE", "separate norm and rope")):
+            if getattr(args, label.replace(" ", "_")):
+                loops.append((f"ours, {first} blocks, {label}", lambda f=folders[fmt], flag=flag: switched_off(flag, f, first, tokens)))
         for label, build in loops:
             step, finish = build()
             wall, events = record(step, args.steps)
@@ -184,12 +187,14 @@ def main():
             args.json.write_text(json.dumps(dict(device=gpu_serving.device_info(), rows=results), indent=2))
 
 
-def unfused(folder: Path, num_blocks: int, tokens: int):
-    fuse.FUSE = False
+def switched_off(flag: str, folder: Path, num_blocks: int, tokens: int):
+    """`ours` loaded with one of model/fuse.py's switches (FUSE, NORM_ROPE) off."""
+    setting = getattr(fuse, flag)
+    setattr(fuse, flag, False)
     try:
         return ours(folder, num_blocks, tokens)
     finally:
-        fuse.FUSE = True
+        setattr(fuse, flag, setting)
 
 
 if __name__ == "__main__":

@@ -170,8 +170,9 @@ def main():
         loops += [(f"ours, {n} blocks", lambda f=folders[fmt], n=int(n): ours(f, n, tokens))
                   for n in args.num_blocks.split(",")]
         first = int(args.num_blocks.split(",")[0])
-        for flag, label in (("FUSE", "unfused"), ("NORM_ROPE", "separate norm and rope")):
-            if getattr(args, label.replace(" ", "_")):
+        for flag, option, label in (("FUSE", "unfused", "unfused"),
+                                    ("NORM_ROPE", "separate_norm_rope", "separate norm and rope")):
+            if getattr(args, option):
                 loops.append((f"ours, {first} blocks, {label}", lambda f=folders[fmt], flag=flag: switched_off(flag, f, first, tokens)))
         for label, build in loops:
             step, finish = build()

@@ -42,7 +42,7 @@ import sys
 import time
 import traceback
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -819,6 +819,7 @@ def main():
     ap.add_argument("--step-timeout", type=float, default=60.0, help="seconds a pipeline step may take")
     for v, what in B1_VARIANTS.items():
         ap.add_argument(f"--b1-{v.replace('_', '-')}", action="store_true", help=f"batch 1 side by side: also our stage with {what}")
+    ap.add_argument("--b1-rounds", type=int, help="batch 1 side by side: alternating rounds (default: the workload's)")
     ap.add_argument("--sync", action="store_true",
                     help="one stage without async scheduling (as serve with METAL_CLUSTER_NO_OVERLAP=1)")
     args = ap.parse_args()
@@ -829,6 +830,8 @@ def main():
     measures = parse_list(args.measures, MEASURES)
     config = SHAPES[args.shape][1 if args.small else 0]
     wl = SMALL_WORKLOAD if args.small else Workload()
+    if args.b1_rounds:
+        wl = replace(wl, b1_rounds=args.b1_rounds)
 
     results = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                    device=device_info(), versions=versions(), args={k: str(v) for k, v in vars(args).items()},

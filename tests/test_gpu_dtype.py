@@ -162,7 +162,16 @@ def bf16_tolerance(bf16_error: np.ndarray) -> float:
 GPU_TOKENS = 32
 
 
-@pytest.fixture(scope="module", params=tiny_models.FAMILIES + tiny_models.MORE_FAMILIES + tiny_models.HYBRID_FAMILIES)
+# The families' tiny models have 16-wide heads, which the paged decode kernel and the q/k
+# norm/RoPE kernel do not take (their layers then run MLX's own ops). These variants have 64-wide
+# heads, so a GPU runs them as `serve` runs real models: fused q/k/v, the norm/RoPE kernel, the
+# paged kernels and the whole decode step as one trace.
+WIDE_HEADS = {"qwen3_wide": "qwen3", "llama_wide": "llama"}
+WIDE_SHAPE = dict(hidden_size=256, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=64)
+
+
+@pytest.fixture(scope="module",
+                params=tiny_models.FAMILIES + tiny_models.MORE_FAMILIES + tiny_models.HYBRID_FAMILIES + tuple(WIDE_HEADS))
 def bf16_run(request, tmp_path_factory):
     """One family in bf16: mlx-lm's greedy tokens and logits per prompt (bf16, and float32 on the same
     history), and the stage's logits and tokens along mlx-lm's history.
@@ -172,8 +181,10 @@ def bf16_run(request, tmp_path_factory):
     position can be compared. Left free-running, the two legitimately part ways at the first
     near-tie, which these models reach within a few tokens in bf16 (see bf16_tolerance); up to that
     point the free-running stage would have produced exactly the history fed here."""
-    family = request.param
-    folder = tiny_models.build_tiny_model(family, tmp_path_factory.mktemp(f"{family}-bf16"), dtype="bfloat16")
+    family = WIDE_HEADS.get(request.param, request.param)
+    shape = WIDE_SHAPE if request.param in WIDE_HEADS else {}
+    folder = tiny_models.build_tiny_model(family, tmp_path_factory.mktemp(f"{request.param}-bf16"), dtype="bfloat16",
+                                          **shape)
     ref_bf16, tokenizer = load(str(folder))
     ref_f32, _ = load(str(folder))
     ref_f32.set_dtype(mx.float32)  # the bf16 values exactly, computed in float32: "exact" for bf16's purposes
@@ -206,7 +217,7 @@ def bf16_run(request, tmp_path_factory):
     for req_id, ids in prompts.items():
         sched.add(req_id, ids, GPU_TOKENS)
     sched.run()
-    return dict(folder=folder, host=host, assigned=assigned, ref=ref, logits_dtypes=logits_dtypes,
+    return dict(variant=request.param, folder=folder, host=host, assigned=assigned, ref=ref, logits_dtypes=logits_dtypes,
                 got={r: dict(tokens=g["tokens"], logits=np.stack(g["logits"])) for r, g in got.items()})
 
 
@@ -234,6 +245,10 @@ def test_bf16_checkpoint_computes_in_bf16(bf16_run):
     # comparison below then covers the fused layers.
     shard = bf16_run["host"].shard
     assert [fuse.is_fused(layer) for layer in shard.layers] == [shard.family.fuses_projections] * len(shard.layers)
+    if bf16_run["variant"] in WIDE_HEADS:
+        # What a real model's layers take on a GPU: the norm/RoPE kernel and the one-trace decode step.
+        assert all(layer.self_attn.norm_rope is not None for layer in shard.layers)
+        assert bf16_run["host"].runner.chain.whole.usable is True
 
 
 @requires_gpu

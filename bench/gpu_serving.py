@@ -566,7 +566,7 @@ def ours_in_process(folder: Path, config: dict, wl: Workload, measures, utilizat
 # Batch-1 A/B contenders beside the stage as `serve` builds it: name -> what is switched off.
 B1_VARIANTS = {
     "unfused": "q/k/v and gate/up as separate matmuls (METAL_CLUSTER_FUSE=0, stage_worker/model/fuse.py)",
-    "chain": "every decode step on the per-layer chain (METAL_CLUSTER_WHOLE_STEP=0, stage_worker/step/whole_step.py)",
+    "chain": "every decode step on the per-layer chain (METAL_CLUSTER_WHOLE_STEP=0, stage_worker/step/tracing/whole_step.py)",
     "separate_norm_rope": "q/k norms and RoPE as MLX's four ops a layer (METAL_CLUSTER_NORM_ROPE=0, kernels/norm_rope.py)",
 }
 

@@ -101,7 +101,8 @@ def counting(counts: Counts):
     make, and the nodes of the kernels' calls (paged attention, the Gated DeltaNet recurrence),
     while a step is built."""
     from metal_cluster.stage_worker.families import qwen3_next
-    from metal_cluster.stage_worker.step import attention, compiled
+    from metal_cluster.stage_worker.step import attention
+    from metal_cluster.stage_worker.step.tracing import compiled
 
     real_call = compiled.Traced.__call__
 

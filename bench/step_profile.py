@@ -165,7 +165,7 @@ def main():
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--mlx-lm", action="store_true", help="also split mlx-lm's own decode loop")
     parser.add_argument("--compile", choices=tuple(COMPILE_CHOICES), default="on",
-                        help="the decode step's pure parts through mx.compile (stage_worker/step/compiled.py), as serve runs them, or not, or both")
+                        help="the decode step's pure parts through mx.compile (stage_worker/step/tracing/compiled.py), as serve runs them, or not, or both")
     parser.add_argument("--num-blocks", type=int, default=64,
                         help="the KV pool's blocks: what serve would allocate (e.g. 2377, gpu_serving's) to see whether the pool's size moves a step")
     parser.add_argument("--ops", action="store_true", help="also count the MLX ops of a decode step (bench/graph_ops.py)")

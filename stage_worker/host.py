@@ -16,8 +16,8 @@ import psutil
 
 from metal_cluster.proto import PROTO_VERSION, pb
 from metal_cluster.stage_worker.kv import memory
-from metal_cluster.stage_worker.step.draft import DraftModel
-from metal_cluster.stage_worker.step.mtp import MTPDrafter
+from metal_cluster.stage_worker.step.speculative.draft import DraftModel
+from metal_cluster.stage_worker.step.speculative.mtp import MTPDrafter
 from metal_cluster.stage_worker.model.dtypes import dtype_name, from_name
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.net.auth import resolve_token

@@ -541,11 +541,11 @@ def test_emulated_cuda_decode_matches_reference(case, emulated_cuda):
 @requires_gxx
 @pytest.mark.parametrize("window, with_sinks", [(None, False), (24, True)], ids=["full", "window-sinks"])
 def test_emulated_cuda_decode_planned_for_a_longer_context_reads_the_real_lengths(window, with_sinks, emulated_cuda):
-    """What a whole-step trace (stage_worker/step/whole_step.py) asks of the decode kernel: its plan
+    """What a whole-step trace (stage_worker/step/tracing/whole_step.py) asks of the decode kernel: its plan
     made for every request at the bucket's context (512 tokens: split in two partitions, block
     tables padded to 32 columns with the null block), while each request's real length, read from
     `seq_lens` on the device, is far shorter; the partitions past it are empty."""
-    from metal_cluster.stage_worker.step.whole_step import table_width
+    from metal_cluster.stage_worker.step.tracing.whole_step import table_width
 
     specs = [(1, 40), (1, 9), (1, 300)]
     q, k_pool, v_pool, real = make_batch(17, specs, 4, 2, 64, 16, mx.float32)

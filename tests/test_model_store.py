@@ -391,7 +391,7 @@ def test_a_last_stage_that_runs_mtp_layers_fetches_them(mtp_model, tmp_path):
     """Speculative decoding's `mtp`: the last stage fetches the MTP layer (past num_hidden_layers)
     beside its own, and it loads like the full folder's; a last stage without MTP and the other
     stages leave it behind."""
-    from metal_cluster.stage_worker.step.mtp import MTPDrafter
+    from metal_cluster.stage_worker.step.speculative.mtp import MTPDrafter
 
     running = _start(mtp_model, tmp_path)
     try:

@@ -165,8 +165,8 @@ def test_the_last_host_holds_the_speculative_drafter(drafter, tmp_path):
     from metal_cluster.coordinator.cluster.placement import with_drafter
     from metal_cluster.stage_worker.model.model_source import resolve_model
     from metal_cluster.stage_worker.model.shard import load_shard
-    from metal_cluster.stage_worker.step.draft import DraftModel
-    from metal_cluster.stage_worker.step.mtp import MTPDrafter
+    from metal_cluster.stage_worker.step.speculative.draft import DraftModel
+    from metal_cluster.stage_worker.step.speculative.mtp import MTPDrafter
 
     if drafter == "mtp":
         folder = tiny_models.build_tiny_model("deepseek_v3", tmp_path / "target", mtp_layers=2)

@@ -69,7 +69,8 @@ def count_compiled_calls(monkeypatch, compile_on: bool) -> dict:
     steps (tests/test_whole_step.py), so it is kept out."""
     import types
 
-    from metal_cluster.stage_worker.step import compiled, runner as runner_module, whole_step
+    from metal_cluster.stage_worker.step import runner as runner_module
+    from metal_cluster.stage_worker.step.tracing import compiled, whole_step
 
     monkeypatch.setattr(runner_module, "COMPILE", compile_on)  # what METAL_CLUSTER_COMPILE=0 sets
     monkeypatch.setattr(whole_step.WholeStep, "applies", lambda self, batch, pool: False)
@@ -89,7 +90,7 @@ def count_compiled_calls(monkeypatch, compile_on: bool) -> dict:
 @pytest.mark.parametrize("compile_on", [True, False], ids=["compiled", "METAL_CLUSTER_COMPILE=0"])
 def test_decode_steps_take_the_compiled_path_and_prompt_chunks_do_not(family, monkeypatch, compile_on):
     """Pure decode batches run each layer's block but its KV writes and attention through mx.compile,
-    one call per layer boundary (stage_worker/step/decode_chain.py); prompt chunks, whose shapes
+    one call per layer boundary (stage_worker/step/tracing/decode_chain.py); prompt chunks, whose shapes
     vary, run the blocks directly. Both are token-exact (the other tests here run both paths
     against mlx-lm)."""
     calls = count_compiled_calls(monkeypatch, compile_on)
@@ -122,7 +123,7 @@ def test_verification_and_a_draft_models_one_token_passes_take_the_compiled_path
     prompt, and the draft's catch-up over several tokens a request, do not. Greedy with the target
     as its own draft, so every draft is accepted: the tokens equal mlx-lm's."""
     from metal_cluster.proto import PROTO_VERSION, pb
-    from metal_cluster.stage_worker.step.draft import DraftModel
+    from metal_cluster.stage_worker.step.speculative.draft import DraftModel
 
     calls = count_compiled_calls(monkeypatch, compile_on)
     k, blocks = 2, 16

@@ -141,7 +141,7 @@ def test_a_draft_models_drafts_keep_the_sampled_distribution(llama_model):
     from mlx_lm.utils import load
 
     from metal_cluster.proto import PROTO_VERSION
-    from metal_cluster.stage_worker.step.draft import DraftModel
+    from metal_cluster.stage_worker.step.speculative.draft import DraftModel
     from metal_cluster.stage_worker.model.model_source import resolve_model
     from metal_cluster.stage_worker.kv.paged_kv import KVPool
     from metal_cluster.stage_worker.step.runner import StageRunner
@@ -249,7 +249,7 @@ def test_mtp_drafts_are_the_mtp_layers_over_the_whole_history(family, mtp_model,
     from metal_cluster.stage_worker.kv.paged_kv import KVPool
     from metal_cluster.stage_worker.model.model_source import resolve_model
     from metal_cluster.stage_worker.model.shard import load_shard
-    from metal_cluster.stage_worker.step.mtp import MTPDrafter
+    from metal_cluster.stage_worker.step.speculative.mtp import MTPDrafter
     from metal_cluster.stage_worker.step.runner import StageRunner
 
     k = 3

@@ -1,4 +1,4 @@
-"""The whole decode step as one trace (stage_worker/step/whole_step.py), on the CPU.
+"""The whole decode step as one trace (stage_worker/step/tracing/whole_step.py), on the CPU.
 
 On a GPU the trace holds the paged decode kernels. Here MLX runs on its CPU backend, where
 attention takes the reference, whose gathers are planned from host values a trace cannot hold;
@@ -19,7 +19,7 @@ from metal_cluster.kernels import gpu as fast
 from metal_cluster.stage_worker.kv.paged_kv import KVPool
 from metal_cluster.stage_worker.model.model_source import resolve_model
 from metal_cluster.stage_worker.model.shard import load_shard
-from metal_cluster.stage_worker.step import whole_step
+from metal_cluster.stage_worker.step.tracing import whole_step
 from metal_cluster.stage_worker.step.runner import StageRunner
 from references import mlx_lm_greedy
 from scheduler_double import SchedulerDouble

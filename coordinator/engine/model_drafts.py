@@ -1,5 +1,5 @@
 """A draft model's drafts (vLLM's `draft_model` method) or MTP layers' (`mtp`), as the scheduler
-takes them: both run on the last stage (stage_worker/step/draft.py, mtp.py) and their drafts come back
+takes them: both run on the last stage (stage_worker/step/speculative/draft.py, mtp.py) and their drafts come back
 in the output of the step they extend (`StepResponse.spec_drafts`), so under pipeline parallelism too they always follow
 the history they were made from, as n-gram drafts do (cluster_scheduler.py)."""
 

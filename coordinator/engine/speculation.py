@@ -4,8 +4,8 @@ silently does not speculate, or vLLM's tracebacks from two processes.
 
 Served: `ngram` (prompt lookup; drafts made in the scheduler, verified on the last stage),
 `draft_model` (a small model of the target's vocabulary, run whole on the last stage's host: a local
-folder or .gguf; stage_worker/step/draft.py) and `mtp` (the checkpoint's own multi-token-prediction
-layers, on the last stage; stage_worker/step/mtp.py).
+folder or .gguf; stage_worker/step/speculative/draft.py) and `mtp` (the checkpoint's own multi-token-prediction
+layers, on the last stage; stage_worker/step/speculative/mtp.py).
 """
 
 import json

@@ -46,7 +46,7 @@ class LayerCache:
 
 
 class MTPLayer(nn.Module):
-    """One multi-token-prediction layer of a checkpoint (a family file builds it; `step/mtp.py`
+    """One multi-token-prediction layer of a checkpoint (a family file builds it; `step/speculative/mtp.py`
     runs it): at position p it reads the target's final hidden state there and the token at p + 1,
     and its output's logits guess the token at p + 2. Its attention meets the paged pool as the
     family's decoder layers do (`block`, wrapped with `cache`)."""

@@ -17,7 +17,7 @@ from mlx_lm.models import deepseek_v3
 
 from metal_cluster.kernels.mla import paged_mla_attention
 from metal_cluster.stage_worker.step.attention import _rope
-from metal_cluster.stage_worker.step.compiled import SplitMixer
+from metal_cluster.stage_worker.step.tracing.compiled import SplitMixer
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.families import nextn
 from metal_cluster.stage_worker.families.base import Family, LayerCache

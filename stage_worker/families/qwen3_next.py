@@ -16,7 +16,7 @@ from metal_cluster.kernels import gated_delta
 
 from metal_cluster.stage_worker.kv.paged_kv import state_rows
 from metal_cluster.stage_worker.step.attention import PagedAttention
-from metal_cluster.stage_worker.step.compiled import SplitMixer
+from metal_cluster.stage_worker.step.tracing.compiled import SplitMixer
 from metal_cluster.stage_worker.families.base import Family, LayerCache
 
 

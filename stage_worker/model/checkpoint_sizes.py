@@ -85,7 +85,7 @@ def weight_bytes(folder: Path, config: dict, float32: bool) -> WeightBytes | Non
 def mtp_layer_bytes(folder: Path, config: dict, float32: bool) -> int:
     """Bytes of the checkpoint's first multi-token-prediction layer (`model.layers.{N}.*` after the N
     decoder layers, its own embedding and head copies included) as a last stage holds it for
-    speculative decoding's `mtp` method, which runs that layer alone (stage_worker/step/mtp.py)."""
+    speculative decoding's `mtp` method, which runs that layer alone (stage_worker/step/speculative/mtp.py)."""
     prefix = f"model.layers.{config['num_hidden_layers']}."
     bits = (config.get("quantization") or {}).get("bits")
     return sum(_held_bytes(name, t, float32, bits) for name, t in read_headers(folder).items()

@@ -15,8 +15,8 @@ import mlx.nn as nn
 from mlx_lm.utils import _get_classes, load_model
 
 from metal_cluster.stage_worker.model import classifier, dtypes, fuse
-from metal_cluster.stage_worker.step import compiled
-from metal_cluster.stage_worker.step.compiled import CompileSwitch
+from metal_cluster.stage_worker.step.tracing import compiled
+from metal_cluster.stage_worker.step.tracing.compiled import CompileSwitch
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.families import Family, LayerCache, family_of
 from metal_cluster.stage_worker.model.model_source import ModelSource, text_tensor_name
@@ -32,7 +32,7 @@ class ModelShard:
     family: Family
     caches: list[LayerCache]  # what each of this stage's layers keeps in the paged pool
     dtype: mx.Dtype = mx.float32  # what this stage computes in: activations, KV pool, hidden states
-    # Whether the step being built runs the layers' pure parts through mx.compile (`compiled.py`).
+    # Whether the step being built runs the layers' pure parts through mx.compile (`step/tracing/compiled.py`).
     compile_switch: CompileSwitch = field(default_factory=CompileSwitch)
 
     @property
@@ -109,7 +109,7 @@ def _load_folder_model(source: ModelSource, family: Family, config: dict) -> nn.
 def _without_mtp(get_classes, family: Family):
     """mlx-lm's get_model_classes, its sanitize first dropping the checkpoint's multi-token-prediction
     layers (mlx-lm drops DeepSeek V3's only as layer 61); speculative decoding loads them itself
-    (`step/mtp.py`)."""
+    (`step/speculative/mtp.py`)."""
 
     def classes(config: dict):
         model_class, args_class = get_classes(config=config)

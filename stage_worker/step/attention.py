@@ -11,7 +11,7 @@ import mlx.nn as nn
 
 from metal_cluster.kernels import paged_attention
 from metal_cluster.kernels.norm_rope import NormRope, norm_rope
-from metal_cluster.stage_worker.step.compiled import SplitMixer
+from metal_cluster.stage_worker.step.tracing.compiled import SplitMixer
 
 
 class LayerContext:

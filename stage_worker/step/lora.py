@@ -20,7 +20,7 @@ import numpy as np
 
 from metal_cluster.proto import pb
 from metal_cluster.stage_worker.model import fuse
-from metal_cluster.stage_worker.step.compiled import CompileSwitch
+from metal_cluster.stage_worker.step.tracing.compiled import CompileSwitch
 from metal_cluster.stage_worker.step.request_table import StepError
 
 

@@ -36,7 +36,7 @@ class RequestState:
     lora_id: int = 0  # the LoRA adapter it runs with (0: the base model)
     pooling: str = ""  # a pooling request's pooling type (LAST, MEAN, CLS); empty: it generates
     classify: bool = False  # a pooling request of vLLM's classify task: the classification head's logits
-    # A draft model's KV (draft.py): positions it holds for this history, then the tokens it wrote
+    # A draft model's KV (speculative/draft.py): positions it holds for this history, then the tokens it wrote
     # at the positions after those (its own drafts), valid while the history agrees with them.
     draft_kv: int = 0
     draft_written: list[int] = field(default_factory=list)

@@ -15,10 +15,10 @@ import numpy as np
 from metal_cluster.proto import pb
 from metal_cluster.stage_worker.step.batch import StepBatch, build_batch
 from metal_cluster.stage_worker.step.blas_threads import BlasThreads
-from metal_cluster.stage_worker.step.decode_chain import DecodeChain
+from metal_cluster.stage_worker.step.tracing.decode_chain import DecodeChain
 from metal_cluster.stage_worker.model import classifier
-from metal_cluster.stage_worker.step.draft import DraftModel
-from metal_cluster.stage_worker.step.mtp import MTPDrafter
+from metal_cluster.stage_worker.step.speculative.draft import DraftModel
+from metal_cluster.stage_worker.step.speculative.mtp import MTPDrafter
 from metal_cluster.stage_worker.step.lora import LoRABank
 from metal_cluster.stage_worker.kv.paged_kv import KVPool
 from metal_cluster.stage_worker.step.request_table import PENDING, RequestTable, RequestState, StepError
@@ -27,7 +27,8 @@ from metal_cluster.stage_worker.step.sampler import (
 )
 from metal_cluster.stage_worker.model.shard import ModelShard
 
-# Decode steps run the layers' pure parts through mx.compile (`compiled.py`, `decode_chain.py`); 0 turns that off.
+# Decode steps run the layers' pure parts through mx.compile (`tracing/compiled.py`,
+# `tracing/decode_chain.py`); 0 turns that off.
 COMPILE = os.environ.get("METAL_CLUSTER_COMPILE", "1") != "0"
 
 

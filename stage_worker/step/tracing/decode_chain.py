@@ -18,8 +18,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from metal_cluster.stage_worker.step.attention import LayerContext
-from metal_cluster.stage_worker.step.compiled import CompileSwitch, SplitMixer, Traced, split_mixer
-from metal_cluster.stage_worker.step.whole_step import WholeStep
+from metal_cluster.stage_worker.step.tracing.compiled import CompileSwitch, SplitMixer, Traced, split_mixer
+from metal_cluster.stage_worker.step.tracing.whole_step import WholeStep
 
 
 class DecodeChain:

@@ -31,7 +31,7 @@ from metal_cluster import kernels
 from metal_cluster.kernels import AttentionMetadata
 from metal_cluster.stage_worker.step.attention import LayerContext, PagedAttention
 from metal_cluster.stage_worker.step.batch import GroupTables
-from metal_cluster.stage_worker.step.compiled import CompileSwitch
+from metal_cluster.stage_worker.step.tracing.compiled import CompileSwitch
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ import numpy as np
 from metal_cluster.kernels import AttentionMetadata
 from metal_cluster.proto import pb
 from metal_cluster.stage_worker.step.batch import GroupTables
-from metal_cluster.stage_worker.step.decode_chain import DecodeChain
+from metal_cluster.stage_worker.step.tracing.decode_chain import DecodeChain
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.model.model_source import resolve_model
 from metal_cluster.stage_worker.kv.paged_kv import KVPool, bytes_per_block

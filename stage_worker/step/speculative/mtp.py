@@ -32,7 +32,7 @@ from metal_cluster.stage_worker.kv.paged_kv import KVPool, bytes_per_block
 from metal_cluster.stage_worker.model import dtypes
 from metal_cluster.stage_worker.model.shard import ModelShard
 from metal_cluster.stage_worker.step.attention import LayerContext
-from metal_cluster.stage_worker.step.draft import Row, choose, paged_batch
+from metal_cluster.stage_worker.step.speculative.draft import Row, choose, paged_batch
 
 
 @dataclass

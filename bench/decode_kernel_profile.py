@@ -15,75 +15,49 @@ On the GPU machine (a CUDA torch beside MLX's CUDA build):
 """
 
 import argparse
+import dataclasses
 import json
-import random
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import mlx.core as mx
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from metal_cluster.kernels import AttentionMetadata, gpu, gpu_backend
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16  # Qwen3-8B's attention
-DTYPE = mx.bfloat16
+import kernel_profile  # noqa: E402
+import kernels as attention_bench  # noqa: E402  (bench/kernels.py: its paged inputs)
 
+from metal_cluster.kernels import gpu, gpu_backend  # noqa: E402
 
-def paged_inputs(ctx: int, seed: int = 0):
-    """One request's query and a pool holding its context in shuffled blocks, as the runner lays it out."""
-    rng = random.Random(seed)
-    need = -(-ctx // BLOCK)
-    ids = list(range(1, need + 1))
-    rng.shuffle(ids)
-    q = mx.random.normal((1, HEADS, HEAD_DIM)).astype(DTYPE)
-    shape = (need + 1, BLOCK, KV_HEADS, HEAD_DIM)
-    k_pool, v_pool = mx.random.normal(shape).astype(DTYPE), mx.random.normal(shape).astype(DTYPE)
-    tables = mx.array([ids], dtype=mx.int32)
-    mx.eval(q, k_pool, v_pool, tables)
-    return q, k_pool, v_pool, tables
+HEADS = 32  # Qwen3-8B's attention; kv heads, head dim, block size and dtype as bench/kernels.py's
+KV_HEADS, HEAD_DIM, DTYPE = attention_bench.KV_HEADS, attention_bench.HEAD_DIM, attention_bench.DTYPE
 
 
-def metadata(ctx: int, tables: mx.array) -> AttentionMetadata:
-    # A new object per variant: the kernels' launch plan is cached on it.
-    return AttentionMetadata(cu_seqlens_q=mx.array([0, 1], dtype=mx.int32), seq_lens=mx.array([ctx], dtype=mx.int32),
-                             block_tables=tables, block_size=BLOCK, query_lens_host=[1], seq_lens_host=[ctx])
-
-
-def empty_kernel(backend: str):
-    source = ("  if (threadIdx.x == 0 && blockIdx.x == 0) out[0] = inp[0];\n"
-              if backend == "cuda" else
-              "  uint i = thread_position_in_grid.x;\n  if (i == 0) out[0] = inp[0];\n")
-    make = mx.fast.cuda_kernel if backend == "cuda" else mx.fast.metal_kernel
-    kernel = make(name="empty_launch", input_names=["inp"], output_names=["out"], source=source)
+def empty_kernel():
+    kernel = mx.fast.cuda_kernel(name="empty_launch", input_names=["inp"], output_names=["out"],
+                                 source="  if (threadIdx.x == 0 && blockIdx.x == 0) out[0] = inp[0];\n")
     return lambda x: kernel(inputs=[x], grid=(KV_HEADS * gpu.THREADS, 1, 1), threadgroup=(gpu.THREADS, 1, 1),
                             output_shapes=[(1,)], output_dtypes=[x.dtype])[0]
 
 
-def device_times(fn, calls: int) -> dict[str, list[float]]:
-    """Each kernel's device durations (us) over `calls` calls of fn, each after a pass that flushes L2."""
+def device_times(fn, calls: int) -> dict[str, float]:
+    """Each kernel's median device time (us) over `calls` calls of fn, each after a pass that
+    flushes L2 (its own kernel left out)."""
     flush = mx.zeros((128 << 20,), dtype=DTYPE)
     mx.eval(flush)
-    for _ in range(3):
+
+    def step():
+        mx.eval(flush + 1)
         mx.eval(fn())
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            mx.eval(flush + 1)
-            mx.eval(fn())
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.loads(Path(f.name).read_text()).get("traceEvents", [])
+
+    _, events = kernel_profile.record(step, calls, warm=3)
     times: dict[str, list[float]] = {}
     for e in events:
-        if e.get("cat") == "kernel" and "dur" in e and "binary" not in e["name"].lower():
-            times.setdefault(e["name"].split("(")[0][:80], []).append(e["dur"])
-    return {n: d for n, d in times.items() if len(d) >= calls}
-
-
-def medians(times: dict[str, list[float]]) -> dict[str, float]:
-    return {n: statistics.median(d) for n, d in times.items()}
+        if e.get("cat") == "kernel" and "binary" not in e["name"].lower():
+            times.setdefault(kernel_profile.short_name(e, by_grid=False), []).append(e["dur"])
+    return {n: statistics.median(d) for n, d in times.items() if len(d) >= calls}
 
 
 def main():
@@ -99,25 +73,25 @@ def main():
     scale = HEAD_DIM ** -0.5
     rows = []
     default_keys = gpu.keys_per_warp_step
-    empty = empty_kernel(backend)
+    empty = empty_kernel()
     one = mx.zeros((1,), dtype=DTYPE)
     for ctx in [int(c) for c in args.contexts.split(",")]:
-        q, k_pool, v_pool, tables = paged_inputs(ctx)
+        q, k_pool, v_pool, step_meta = attention_bench.paged_inputs([1], [ctx], heads=HEADS)
         row = dict(ctx=ctx, splits=gpu.plan_decode_splits(1, KV_HEADS, ctx, gpu.TARGET_THREADGROUPS[backend]))
         for u in [int(u) for u in args.keys.split(",")]:
             gpu.keys_per_warp_step = lambda gqa, u=u: u
             try:
-                meta = metadata(ctx, tables)
-                row[f"kernel_u{u}"] = medians(device_times(
-                    lambda: gpu.paged_attention_kernel(q, k_pool, v_pool, meta, scale, backend=backend), args.calls))
+                meta = dataclasses.replace(step_meta)  # a fresh object: the launch plan is cached on it
+                row[f"kernel_u{u}"] = device_times(
+                    lambda: gpu.paged_attention_kernel(q, k_pool, v_pool, meta, scale, backend=backend), args.calls)
             finally:
                 gpu.keys_per_warp_step = default_keys
         qs = q.reshape(1, HEADS, 1, HEAD_DIM)
         k = mx.random.normal((1, KV_HEADS, ctx, HEAD_DIM)).astype(DTYPE)
         v = mx.random.normal((1, KV_HEADS, ctx, HEAD_DIM)).astype(DTYPE)
         mx.eval(k, v)
-        row["sdpa"] = medians(device_times(lambda: mx.fast.scaled_dot_product_attention(qs, k, v, scale=scale), args.calls))
-        row["empty"] = medians(device_times(lambda: empty(one), args.calls))
+        row["sdpa"] = device_times(lambda: mx.fast.scaled_dot_product_attention(qs, k, v, scale=scale), args.calls)
+        row["empty"] = device_times(lambda: empty(one), args.calls)
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:

@@ -46,7 +46,7 @@ def time_per_call(fn, iters: int, warmup: int = 3) -> float:
 
 # --- 1. attention alone ---------------------------------------------------------------------
 
-def paged_inputs(q_lens, ctx_lens, seed=0):
+def paged_inputs(q_lens, ctx_lens, seed=0, heads=HEADS):
     """Random q and a paged pool holding each request's context in shuffled blocks."""
     rng = random.Random(seed)
     need = [-(-c // BLOCK) for c in ctx_lens]
@@ -60,7 +60,7 @@ def paged_inputs(q_lens, ctx_lens, seed=0):
     cu = [0]
     for n in q_lens:
         cu.append(cu[-1] + n)
-    q = mx.random.normal((cu[-1], HEADS, HEAD_DIM)).astype(DTYPE)
+    q = mx.random.normal((cu[-1], heads, HEAD_DIM)).astype(DTYPE)
     shape = (num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
     k_pool, v_pool = mx.random.normal(shape).astype(DTYPE), mx.random.normal(shape).astype(DTYPE)
     meta = AttentionMetadata(

@@ -3,15 +3,17 @@
 At batch 1 a decode step of Qwen3-8B runs the paged decode kernel 36 times, at 14-15 us each
 where MLX's SDPA over contiguous K/V takes 8 us (bench/README.md, kernel_profile). This script
 times the kernel alone, as CUPTI sees it (torch's profiler), to tell its fixed cost from its cost
-per key: over context lengths, and over the keys each lane-slot keeps in flight per loop step
-(`keys_per_warp_step`, 4 by default at this GQA ratio). Beside it, per length: SDPA on the same
+per key: over context lengths, over the keys each lane-slot keeps in flight per loop step
+(`keys_per_warp_step`, 4 by default at this GQA ratio) and over the warps per threadgroup
+(`decode_warps`). Beside it, per length: SDPA on the same
 shapes, and a custom kernel that does nothing on the same grid (the floor of a launch).
 
 Each call runs after a 256 MB elementwise pass, so the K/V rows come from memory as they do in a
 step, where a layer's weights pass through the L2 cache between two attention calls.
 
 On the GPU machine (a CUDA torch beside MLX's CUDA build):
-    python3 bench/decode_kernel_profile.py [--contexts 16,128,512,2048] [--keys 1,2,4,8] [--calls 40] [--json out.json]
+    python3 bench/decode_kernel_profile.py [--contexts 16,128,512,2048] [--keys 1,2,4,8] [--warps 4,8,16]
+        [--calls 40] [--json out.json]
 """
 
 import argparse
@@ -64,6 +66,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--contexts", default="16,128,512,2048")
     ap.add_argument("--keys", default="1,2,4,8", help="keys per lane-slot in flight per loop step")
+    ap.add_argument("--warps", default="", help="warps per threadgroup to sweep (default: what decode_warps picks)")
     ap.add_argument("--calls", type=int, default=40)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -72,20 +75,26 @@ def main():
         sys.exit("decode_kernel_profile: needs MLX's CUDA backend and a CUDA torch (CUPTI) on the same GPU")
     scale = HEAD_DIM ** -0.5
     rows = []
-    default_keys = gpu.keys_per_warp_step
+    default_keys, default_warps = gpu.keys_per_warp_step, gpu.decode_warps
+    warps = [int(w) for w in args.warps.split(",")] if args.warps else [None]
     empty = empty_kernel()
     one = mx.zeros((1,), dtype=DTYPE)
     for ctx in [int(c) for c in args.contexts.split(",")]:
         q, k_pool, v_pool, step_meta = attention_bench.paged_inputs([1], [ctx], heads=HEADS)
         row = dict(ctx=ctx, splits=gpu.plan_decode_splits(1, KV_HEADS, ctx, gpu.TARGET_THREADGROUPS[backend]))
-        for u in [int(u) for u in args.keys.split(",")]:
-            gpu.keys_per_warp_step = lambda gqa, u=u: u
-            try:
-                meta = dataclasses.replace(step_meta)  # a fresh object: the launch plan is cached on it
-                row[f"kernel_u{u}"] = device_times(
-                    lambda: gpu.paged_attention_kernel(q, k_pool, v_pool, meta, scale, backend=backend), args.calls)
-            finally:
-                gpu.keys_per_warp_step = default_keys
+        for w in warps:
+            for u in [int(u) for u in args.keys.split(",")]:
+                gpu.keys_per_warp_step = lambda gqa, u=u: u
+                if w is not None:
+                    gpu.decode_warps = lambda *_, w=w: w
+                try:
+                    meta = dataclasses.replace(step_meta)  # a fresh object: the launch plan is cached on it
+                    row[f"kernel_u{u}" + (f"_w{w}" if w else "")] = device_times(
+                        lambda: gpu.paged_attention_kernel(q, k_pool, v_pool, meta, scale, backend=backend), args.calls)
+                except RuntimeError as e:  # a layout whose registers do not fit `w` warps on one SM
+                    row[f"kernel_u{u}" + (f"_w{w}" if w else "")] = dict(error=str(e)[:200])
+                finally:
+                    gpu.keys_per_warp_step, gpu.decode_warps = default_keys, default_warps
         qs = q.reshape(1, HEADS, 1, HEAD_DIM)
         k = mx.random.normal((1, KV_HEADS, ctx, HEAD_DIM)).astype(DTYPE)
         v = mx.random.normal((1, KV_HEADS, ctx, HEAD_DIM)).astype(DTYPE)

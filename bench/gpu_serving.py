@@ -568,7 +568,24 @@ B1_VARIANTS = {
     "unfused": "q/k/v and gate/up as separate matmuls (METAL_CLUSTER_FUSE=0, stage_worker/model/fuse.py)",
     "chain": "every decode step on the per-layer chain (METAL_CLUSTER_WHOLE_STEP=0, stage_worker/step/tracing/whole_step.py)",
     "separate_norm_rope": "q/k norms and RoPE as MLX's four ops a layer (METAL_CLUSTER_NORM_ROPE=0, kernels/norm_rope.py)",
+    "four_warps": "decode attention with 4 warps a threadgroup whatever its grid (kernels/gpu.py decode_warps)",
 }
+
+
+def four_warps(launch):
+    """`launch` with the decode kernel's warps per threadgroup at gpu.WARPS: kernels are chosen
+    as a step's graph is built, within the call."""
+    from metal_cluster.kernels import gpu
+
+    def send(step):
+        chosen = gpu.decode_warps
+        gpu.decode_warps = lambda *_: gpu.WARPS
+        try:
+            return launch(step)
+        finally:
+            gpu.decode_warps = chosen
+
+    return send
 
 
 def variant_stage(stack, variant: str, folder: Path, config: dict, wl: Workload, utilization: float, ahead: bool):
@@ -579,6 +596,9 @@ def variant_stage(stack, variant: str, folder: Path, config: dict, wl: Workload,
         built, driver = stack.enter_context(our_stage(folder, config, wl, utilization, ahead))
         built["stage"].runner.chain.whole.usable = False
         return driver
+    if variant == "four_warps":
+        built, _ = stack.enter_context(our_stage(folder, config, wl, utilization, ahead))
+        return Driver(four_warps(built["stage"].launch), built["num_blocks"], wl.max_batched_tokens, ahead)
     flag = {"unfused": "FUSE", "separate_norm_rope": "NORM_ROPE"}[variant]
     setting = getattr(fuse, flag)
     setattr(fuse, flag, False)  # read as the stage loads its layers

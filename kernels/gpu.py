@@ -45,6 +45,8 @@ from metal_cluster.kernels.metadata import AttentionMetadata
 WARPS = 4  # SIMD groups / warps per threadgroup
 LANES = 32
 THREADS = WARPS * LANES
+
+
 # decode: keys each slot (LPK lanes) loads before reducing, for memory-level parallelism; fewer for
 # large GQA ratios, whose per-head registers (query and accumulator) grow with the ratio. On an H200
 # (GQA 2, bf16 x 128) 4 was best or tied with 2 at every shape; 8 was up to 35 % slower.
@@ -120,6 +122,23 @@ def decode_plan(head_dim: int, gqa: int, itemsize: int, v_dim: int | None = None
     if keys_per_step is None:
         keys_per_step = keys_per_warp_step(gqa) if heads == gqa else 2
     return DecodePlan(head_dim, v_dim, gqa, vec, lanes, tail_vec, heads, keys_per_step, shared_v)
+
+
+# A decode launch of few threadgroups (batch 1: one a kv head) leaves most SMs idle, and each
+# group's loop waits on memory: more warps a group put more keys in flight. On CUDA only (measured
+# on an H200; Metal's limits on a threadgroup's registers are unmeasured here), and only where the
+# per-lane head registers stay small enough for 8 warps to share one SM (GQA 4 x 128: 168
+# registers a thread at 4 keys in flight).
+SMALL_DECODE_GRID = 64
+MANY_WARPS = 8
+
+
+def decode_warps(groups: int, plan: DecodePlan, backend: str) -> int:
+    """Warps per decode threadgroup for a launch of `groups` threadgroups."""
+    head_floats = plan.heads_per_group * (plan.head_dim + plan.v_dim) // plan.lanes_per_key
+    if backend == "cuda" and groups <= SMALL_DECODE_GRID and plan.keys_per_step <= 4 and head_floats <= 64:
+        return MANY_WARPS
+    return WARPS
 
 
 # The prefill / mixed kernel serves batches with multi-token queries; METAL_CLUSTER_PREFILL_KERNEL=0
@@ -206,10 +225,10 @@ _CONSTANTS = """
   const int BS = params[{p_block_size}];
   const int window = params[{p_window}];
   const int partition = params[{p_partition}];
-  const int num_splits = params[{p_num_splits}];
+  const int num_splits = {num_splits};
   const int bs_shift = params[{p_bs_shift}];  // log2(BS), or -1 when BS is no power of two
   const float qk_scale = scale[0];
-  const int KVH = k_pool_kvh[0];
+  const int KVH = {kv_heads};
   const int H = KVH * G;
 """
 
@@ -246,7 +265,7 @@ _DECODE_BODY = """
   const int r = tg_id / (num_splits * NHT * KVH);
   const int h0 = kvh * G + ht * HT;  // this threadgroup's first query head
   const int ctx = seq_lens[r];
-  const int q_row = cu_seqlens_q[r];
+  const int q_row = r;  // a decode batch: one query row per request
   const int pos = ctx - 1;  // the one query sits at the end of its context
   const int lo = window > 0 ? MAXI(0, pos - window + 1) : 0;
   const int k_begin = MAXI(lo, split * partition);
@@ -553,12 +572,14 @@ def prefill_tile_tokens(gqa: int) -> int:
 
 def kernel_source(kind: str, backend: str, head_dim: int, gqa: int, itemsize: int = 2,
                   keys_per_step: int | None = None, sinks: bool = False, v_dim: int | None = None,
-                  shared_v: bool = False) -> tuple[str, str]:
+                  shared_v: bool = False, warps: int = WARPS, kv_heads: int | None = None) -> tuple[str, str]:
     """(header, body) of one kernel for one backend. `kind`: decode, decode_split, reduce, prefill.
     `itemsize` (bytes per q/K/V element) sets the decode kernel's load width; `sinks`: the kernel
     takes a `sinks` input, one logit per query head. `v_dim` (decode and reduce): V's head dim when
     it differs from K's, which needs `shared_v`: V is the leading v_dim values of each K row, read
-    from `k_pool` (MLA's latent); the kernel then never reads `v_pool`."""
+    from `k_pool` (MLA's latent); the kernel then never reads `v_pool`. `warps`: warps per
+    threadgroup. `kv_heads`: compiled in, where None reads it from the `k_pool_kvh` input; a decode
+    threadgroup finds its request from it, so a constant spares the kernel's first dependent load."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}")
     v_dim = head_dim if v_dim is None else v_dim
@@ -569,13 +590,15 @@ def kernel_source(kind: str, backend: str, head_dim: int, gqa: int, itemsize: in
         raise ValueError(f"no decode layout for K/V head dims {head_dim}/{v_dim} (itemsize {itemsize})")
     vec, lanes_per_key = decode_layout(head_dim, itemsize) if plan is None else (plan.vec, plan.lanes_per_key)
     fields = dict(
-        head_dim=head_dim, v_dim=v_dim, gqa=gqa, warps=WARPS, vec=vec, lanes_per_key=lanes_per_key,
+        head_dim=head_dim, v_dim=v_dim, gqa=gqa, warps=warps, vec=vec, lanes_per_key=lanes_per_key,
         tail_vec=plan.tail_vec if plan else 1, heads_per_group=plan.heads_per_group if plan else gqa,
         keys_per_step=plan.keys_per_step if plan else keys_per_warp_step(gqa),
         shared_v="true" if shared_v else "false",
         key_tile=PREFILL_KEY_TILE, tile_tokens=prefill_tile_tokens(gqa),
         p_num_reqs=P_NUM_REQS, p_max_blocks=P_MAX_BLOCKS, p_block_size=P_BLOCK_SIZE,
-        p_window=P_WINDOW, p_partition=P_PARTITION, p_num_splits=P_NUM_SPLITS, p_bs_shift=P_BS_SHIFT,
+        p_window=P_WINDOW, p_partition=P_PARTITION, p_bs_shift=P_BS_SHIFT,
+        kv_heads="k_pool_kvh[0]" if kv_heads is None else kv_heads,
+        num_splits=1 if kind == "decode" else f"params[{P_NUM_SPLITS}]",  # whole: no parameter to wait for
     )
     if kind == "decode":
         body = _DECODE_BODY.replace("{store}", _DECODE_STORE_FINAL)
@@ -603,7 +626,8 @@ _OUTPUTS = {"decode": ["out"], "decode_split": ["part_o", "part_ml"], "reduce": 
 
 
 def kernel_name(kind: str, head_dim: int, gqa: int, itemsize: int = 2, keys_per_step: int | None = None,
-                sinks: bool = False, v_dim: int | None = None, shared_v: bool = False) -> str:
+                sinks: bool = False, v_dim: int | None = None, shared_v: bool = False, warps: int = WARPS,
+                kv_heads: int | None = None) -> str:
     """MLX caches compiled kernels by name: the name carries every compile-time choice (and is
     what it always was for the shapes without a V dim of their own or head tiles)."""
     v_dim = head_dim if v_dim is None else v_dim
@@ -619,15 +643,21 @@ def kernel_name(kind: str, head_dim: int, gqa: int, itemsize: int = 2, keys_per_
     name += f"_v{vec}_u{u}"
     if plan is not None and plan.tail_vec > 1:
         name += f"_tv{plan.tail_vec}"
+    if warps != WARPS:
+        name += f"_w{warps}"
+    if kv_heads is not None:
+        name += f"_h{kv_heads}"
     return name + ("_kv" if shared_v else "") + ("_sinks" if sinks else "")
 
 
 @lru_cache(maxsize=None)
 def build_kernel(kind: str, backend: str, head_dim: int, gqa: int, itemsize: int = 2, keys_per_step: int | None = None,
-                 sinks: bool = False, v_dim: int | None = None, shared_v: bool = False):
+                 sinks: bool = False, v_dim: int | None = None, shared_v: bool = False, warps: int = WARPS,
+                 kv_heads: int | None = None):
     sinks = sinks and kind != "reduce"
-    header, source = kernel_source(kind, backend, head_dim, gqa, itemsize, keys_per_step, sinks, v_dim, shared_v)
-    name = kernel_name(kind, head_dim, gqa, itemsize, keys_per_step, sinks, v_dim, shared_v)
+    header, source = kernel_source(kind, backend, head_dim, gqa, itemsize, keys_per_step, sinks, v_dim, shared_v,
+                                   warps, kv_heads)
+    name = kernel_name(kind, head_dim, gqa, itemsize, keys_per_step, sinks, v_dim, shared_v, warps, kv_heads)
     make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
     inputs = _INPUTS[kind] + (["sinks"] if sinks else [])
     return make(name=name, input_names=inputs, output_names=_OUTPUTS[kind], source=source, header=header)
@@ -789,10 +819,12 @@ def _decode_launch(q, meta, scale, window, backend, num_reqs, kv_heads, gqa, has
     step = _step_arrays(meta, scale, kv_heads, window, partition, splits)
     fixed = [meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, step.params, step.scale, step.kvh]
     groups = num_reqs * kv_heads * tiles * splits
+    warps = decode_warps(groups, plan, backend)
     layout = (head_dim, gqa, q.dtype.size, plan.keys_per_step, has_sinks)
     shape = dict(v_dim=v_dim, shared_v=True) if shared_v else {}
+    shape.update(warps=warps, kv_heads=kv_heads)
     out_shape = (q.shape[0], q.shape[1], v_dim)
-    launch = dict(template=[("T", q.dtype)], grid=(groups * THREADS, 1, 1), threadgroup=(THREADS, 1, 1))
+    launch = dict(template=[("T", q.dtype)], grid=(groups * warps * LANES, 1, 1), threadgroup=(warps * LANES, 1, 1))
     if splits == 1:
         kernel = build_kernel("decode", backend, *layout, **shape)
 
@@ -803,7 +835,8 @@ def _decode_launch(q, meta, scale, window, backend, num_reqs, kv_heads, gqa, has
         return whole
     rows = num_reqs * q.shape[1]
     split = build_kernel("decode_split", backend, *layout, **shape)
-    reduce = build_kernel("reduce", backend, head_dim, gqa, **(dict(itemsize=q.dtype.size, **shape) if shared_v else {}))
+    mla = dict(itemsize=q.dtype.size, v_dim=v_dim, shared_v=True) if shared_v else {}
+    reduce = build_kernel("reduce", backend, head_dim, gqa, **mla)
     reduce_inputs = [step.params, step.scale, step.kvh]
     reduce_launch = dict(template=[("T", q.dtype)], grid=(rows * v_dim, 1, 1), threadgroup=(v_dim, 1, 1),
                          output_shapes=[out_shape], output_dtypes=[q.dtype])

@@ -82,6 +82,8 @@ class StageRunner:
         self.chain = DecodeChain(shard.layers, shard.compile_switch)  # decode steps' compiled path
         self.recurrent = any(pool.is_state)  # a recurrent layer's decode split steps one token a request
         self.blas = BlasThreads()  # on the CPU: OpenBLAS's threads per step's rows
+        self.submit_after_previous = True  # see `_submit`; off only to measure what it saves
+        self._queued: mx.array | None = None  # the last step handed to the device unwaited
 
     def step(self, step: pb.StepRequest, hidden_in: mx.array | None = None) -> StageOutput:
         """prepare + run, waited for."""
@@ -143,7 +145,7 @@ class StageRunner:
         if any(self.table[r].pooling for r in batch.sample_req_ids):
             out.pooled = self._pool(batch, hidden)
         if not batch.sample_req_ids:
-            mx.async_eval(hidden)  # a prompt chunk that samples nothing still writes its KV
+            self._submit(hidden)  # a prompt chunk that samples nothing still writes its KV
             return out
         every_row = len(batch.sample_req_ids) == len(batch.req_ids) == hidden.shape[0]  # a decode step, no drafts
         logits = self.shard.logits(hidden if every_row else hidden[batch.logits_rows])
@@ -159,7 +161,7 @@ class StageRunner:
             out.on_device = on_device = DeviceTokens(batch.sample_req_ids, chosen.tokens, [])
             if not step.stage_keeps_tokens:
                 return out.resolve()
-            mx.async_eval(chosen.tokens)
+            self._submit(chosen.tokens)
             for row, req_id in enumerate(batch.sample_req_ids):
                 on_device.slots.append(self._keep(self.table[req_id], PENDING, (on_device, row)))
             return out
@@ -168,6 +170,18 @@ class StageRunner:
             for req_id, s in out.sampled.items():
                 self._keep(self.table[req_id], s.token_id)
         return out
+
+    def _submit(self, out: mx.array) -> None:
+        """Hand a step's work to the device once the previous step's has finished; its graph was
+        built while that one ran. MLX keeps a queued kernel's inputs alive until its work is done,
+        and a KV write into a pool still held that way cannot update it in place: it copies the
+        layer's whole pool first. With the host ahead of the device that was 16 such copies a
+        4-bit step on the H200, 43 us each at 2377 blocks (bench/README.md); a Mac's pool of
+        many GB would copy gigabytes a step."""
+        if self.submit_after_previous and self._queued is not None:
+            mx.eval(self._queued)  # a queued array: waits for it, queues nothing
+        mx.async_eval(out)
+        self._queued = out
 
     def _pool(self, batch: StepBatch, hidden: mx.array) -> dict[str, np.ndarray]:
         """vLLM's pooling runner: the final-norm hidden states of each pooling request whose prompt

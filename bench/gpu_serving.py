@@ -568,8 +568,8 @@ B1_VARIANTS = {
     "unfused": "q/k/v and gate/up as separate matmuls (METAL_CLUSTER_FUSE=0, stage_worker/model/fuse.py)",
     "chain": "every decode step on the per-layer chain (METAL_CLUSTER_WHOLE_STEP=0, stage_worker/step/tracing/whole_step.py)",
     "separate_norm_rope": "q/k norms and RoPE as MLX's four ops a layer (METAL_CLUSTER_NORM_ROPE=0, kernels/norm_rope.py)",
-    "eager_submit": "each step handed to the device as soon as it is built, before the previous one finished "
-                    "(runner.submit_after_previous off, stage_worker/step/runner.py)",
+    "eager_submit": "each step handed to the device whole as soon as it is built, not once the last one is "
+                    "halfway (runner.pace_submits off, stage_worker/step/runner.py)",
     "four_warps": "decode attention with 4 warps a threadgroup whatever its grid (kernels/gpu.py decode_warps)",
 }
 
@@ -600,7 +600,7 @@ def variant_stage(stack, variant: str, folder: Path, config: dict, wl: Workload,
         return driver
     if variant == "eager_submit":
         built, driver = stack.enter_context(our_stage(folder, config, wl, utilization, ahead))
-        built["stage"].runner.submit_after_previous = False
+        built["stage"].runner.pace_submits = False
         return driver
     if variant == "four_warps":
         built, _ = stack.enter_context(our_stage(folder, config, wl, utilization, ahead))

@@ -82,8 +82,8 @@ class StageRunner:
         self.chain = DecodeChain(shard.layers, shard.compile_switch)  # decode steps' compiled path
         self.recurrent = any(pool.is_state)  # a recurrent layer's decode split steps one token a request
         self.blas = BlasThreads()  # on the CPU: OpenBLAS's threads per step's rows
-        self.submit_after_previous = True  # see `_submit`; off only to measure what it saves
-        self._queued: mx.array | None = None  # the last step handed to the device unwaited
+        self.pace_submits = True  # see `_submit`; off only to measure what it saves
+        self._halfway: mx.array | None = None  # the last step's middle KV write, queued on its own
 
     def step(self, step: pb.StepRequest, hidden_in: mx.array | None = None) -> StageOutput:
         """prepare + run, waited for."""
@@ -172,16 +172,24 @@ class StageRunner:
         return out
 
     def _submit(self, out: mx.array) -> None:
-        """Hand a step's work to the device once the previous step's has finished; its graph was
-        built while that one ran. MLX keeps a queued kernel's inputs alive until its work is done,
-        and a KV write into a pool still held that way cannot update it in place: it copies the
-        layer's whole pool first. With the host ahead of the device that was 16 such copies a
-        4-bit step on the H200, 43 us each at 2377 blocks (bench/README.md); a Mac's pool of
-        many GB would copy gigabytes a step."""
-        if self.submit_after_previous and self._queued is not None:
-            mx.eval(self._queued)  # a queued array: waits for it, queues nothing
+        """Hand a step's work to the device, in two halves, once the previous step is halfway.
+
+        MLX keeps a queued kernel's inputs alive until its work is done, and a KV write into a
+        pool still held that way cannot update it in place: it copies the layer's whole pool
+        first. A host ahead of the device reaches layer L of this step before the device is done
+        with layer L of the last one: 16 such copies a 4-bit step on the H200, 43 us each at 2377
+        blocks (bench/README.md); a Mac's pool of many GB would copy gigabytes a step. Waiting
+        for the whole last step instead left the device idle while MLX took the next one in
+        (1-1.5 ms a step). So the host waits for the last step's middle KV write, and the device
+        has the last step's second half to run while the host hands over this one."""
+        if self.pace_submits:
+            if self._halfway is not None:
+                mx.eval(self._halfway)  # queued already: this waits for it, and queues nothing
+            # The last step's marker is dropped before this step is queued: a reference held here
+            # would itself keep that pool from being updated in place.
+            self._halfway = self.pool.keys[len(self.pool.keys) // 2]
+            mx.async_eval(self._halfway)
         mx.async_eval(out)
-        self._queued = out
 
     def _pool(self, batch: StepBatch, hidden: mx.array) -> dict[str, np.ndarray]:
         """vLLM's pooling runner: the final-norm hidden states of each pooling request whose prompt

@@ -468,9 +468,10 @@ requires_nvcc = pytest.mark.skipif(standin.NVCC is None, reason="no nvcc on this
 requires_gxx = pytest.mark.skipif(standin.GXX is None, reason="the CUDA emulation needs g++ on Linux")
 
 
-def _unit(kind, dtype, head_dim, gqa, v_dim=None, shared_v=False, sinks=False):
+def _unit(kind, dtype, head_dim, gqa, v_dim=None, shared_v=False, sinks=False, **layout):
     """One kernel as MLX's cuda_kernel would hand it to NVRTC."""
-    header, source = pa.kernel_source(kind, "cuda", head_dim, gqa, dtype.size, sinks=sinks, v_dim=v_dim, shared_v=shared_v)
+    header, source = pa.kernel_source(kind, "cuda", head_dim, gqa, dtype.size, sinks=sinks, v_dim=v_dim, shared_v=shared_v,
+                                      **layout)
     ints = [(n, mx.int32) for n in ("cu_seqlens_q", "seq_lens", "block_tables", "params")]
     inputs = ([("part_o", mx.float32), ("part_ml", mx.float32), ("params", mx.int32)] if kind == "reduce" else
               [("q", dtype), ("k_pool", dtype), ("v_pool", dtype), *ints]) + [("scale", mx.float32), ("k_pool_kvh", mx.int32)]
@@ -493,6 +494,25 @@ def test_mla_cuda_source_compiles_without_spills(kind):
 def test_existing_cuda_sources_compile():
     for kind in ("decode", "decode_split", "prefill"):
         standin.nvcc_resources(_unit(kind, mx.bfloat16, 128, 2, sinks=True))
+
+
+def test_few_decode_threadgroups_get_more_warps_on_cuda_only():
+    plan = pa.decode_plan(128, 4, 2)  # Qwen3-8B's attention in bf16
+    assert pa.decode_warps(8, plan, "cuda") == pa.MANY_WARPS  # batch 1: one threadgroup a kv head
+    assert pa.decode_warps(8 * 64, plan, "cuda") == pa.WARPS
+    assert pa.decode_warps(8, plan, "metal") == pa.WARPS
+    assert pa.decode_warps(8, pa.decode_plan(128, 8, 2), "cuda") == pa.WARPS  # per-head registers too many
+    assert pa.decode_warps(8, pa.decode_plan(MLA_DIM, 16, 2, MLA_LATENT, shared_v=True), "cuda") == pa.WARPS
+    assert pa.kernel_name("decode", 128, 4, warps=8, kv_heads=8) == "paged_attn_decode_d128_g4_v8_u4_w8_h8"
+
+
+@requires_nvcc
+def test_more_warps_fit_one_sm():
+    """The layouts `decode_warps` widens keep a threadgroup within an SM's 64K registers (sm_90)."""
+    for kind in ("decode", "decode_split"):
+        for gqa in (1, 2, 4):
+            used = standin.nvcc_resources(_unit(kind, mx.bfloat16, 128, gqa, warps=pa.MANY_WARPS, kv_heads=8))
+            assert used["registers"] * pa.MANY_WARPS * pa.LANES <= 65536 and used["spill_stores"] == 0, (kind, gqa, used)
 
 
 @pytest.fixture
@@ -533,6 +553,8 @@ def test_emulated_cuda_decode_matches_reference(case, emulated_cuda):
     assert (plan.head_tiles > 1) == ("tiled" in name or heads // kv_heads > 16)
     kinds = [re.match(r"paged_attn_([a-z_]+?)_d\d", launch[0]).group(1) for launch in emulated_cuda.launches]
     assert kinds == (["decode_split", "reduce"] if "split" in name else ["decode"])
+    if name.startswith("gqa2"):  # a few threadgroups of few heads: the wider threadgroup
+        assert f"_w{pa.MANY_WARPS}_" in emulated_cuda.launches[0][0]
     assert got.shape == (len(specs), heads, v_dim or head_dim)
     want = reference_f32(q, k_pool, v_pool, meta, scale, window, sinks)
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), want, err_msg=name, **TOLERANCE[dtype])

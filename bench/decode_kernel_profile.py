@@ -87,12 +87,13 @@ def main():
                 gpu.keys_per_warp_step = lambda gqa, u=u: u
                 if w is not None:
                     gpu.decode_warps = lambda *_, w=w: w
+                key = f"kernel_u{u}" + (f"_w{w}" if w else "")
                 try:
                     meta = dataclasses.replace(step_meta)  # a fresh object: the launch plan is cached on it
-                    row[f"kernel_u{u}" + (f"_w{w}" if w else "")] = device_times(
+                    row[key] = device_times(
                         lambda: gpu.paged_attention_kernel(q, k_pool, v_pool, meta, scale, backend=backend), args.calls)
                 except RuntimeError as e:  # a layout whose registers do not fit `w` warps on one SM
-                    row[f"kernel_u{u}" + (f"_w{w}" if w else "")] = dict(error=str(e)[:200])
+                    row[key] = dict(error=str(e)[:200])
                 finally:
                     gpu.keys_per_warp_step, gpu.decode_warps = default_keys, default_warps
         qs = q.reshape(1, HEADS, 1, HEAD_DIM)

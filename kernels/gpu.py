@@ -97,6 +97,16 @@ class DecodePlan:
     def head_tiles(self) -> int:
         return self.gqa // self.heads_per_group
 
+    @property
+    def head_floats(self) -> int:
+        """Per-lane float registers of the query heads a threadgroup serves."""
+        return self.heads_per_group * floats_per_head(self.head_dim, self.v_dim, self.lanes_per_key)
+
+
+def floats_per_head(head_dim: int, v_dim: int, lanes_per_key: int) -> int:
+    """A lane's query and accumulator floats for one query head."""
+    return head_dim // lanes_per_key + v_dim // lanes_per_key
+
 
 def decode_plan(head_dim: int, gqa: int, itemsize: int, v_dim: int | None = None, shared_v: bool = False,
                 keys_per_step: int | None = None) -> DecodePlan | None:
@@ -113,7 +123,7 @@ def decode_plan(head_dim: int, gqa: int, itemsize: int, v_dim: int | None = None
     tail_vec = 1
     while tail and (tail // lanes) % (2 * tail_vec) == 0 and 2 * tail_vec <= vec:
         tail_vec *= 2
-    per_head = head_dim // lanes + v_dim // lanes  # qv + acc floats a lane
+    per_head = floats_per_head(head_dim, v_dim, lanes)
     if per_head > REGISTERS_TILE:
         return None
     heads = gqa
@@ -135,8 +145,7 @@ MANY_WARPS = 8
 
 def decode_warps(groups: int, plan: DecodePlan, backend: str) -> int:
     """Warps per decode threadgroup for a launch of `groups` threadgroups."""
-    head_floats = plan.heads_per_group * (plan.head_dim + plan.v_dim) // plan.lanes_per_key
-    if backend == "cuda" and groups <= SMALL_DECODE_GRID and plan.keys_per_step <= 4 and head_floats <= 64:
+    if backend == "cuda" and groups <= SMALL_DECODE_GRID and plan.keys_per_step <= 4 and plan.head_floats <= 64:
         return MANY_WARPS
     return WARPS
 

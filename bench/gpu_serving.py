@@ -568,6 +568,8 @@ B1_VARIANTS = {
     "unfused": "q/k/v and gate/up as separate matmuls (METAL_CLUSTER_FUSE=0, stage_worker/model/fuse.py)",
     "chain": "every decode step on the per-layer chain (METAL_CLUSTER_WHOLE_STEP=0, stage_worker/step/tracing/whole_step.py)",
     "separate_norm_rope": "q/k norms and RoPE as MLX's four ops a layer (METAL_CLUSTER_NORM_ROPE=0, kernels/norm_rope.py)",
+    "separate_add_norm": "the attention's residual add and the post-attention RMSNorm as MLX's two ops a layer "
+                         "(METAL_CLUSTER_ADD_NORM=0, kernels/add_norm.py)",
     "eager_submit": "each step handed to the device whole as soon as it is built, not once the last one is "
                     "halfway (runner.pace_submits off, stage_worker/step/runner.py)",
     "four_warps": "decode attention with 4 warps a threadgroup whatever its grid (kernels/gpu.py decode_warps)",
@@ -605,7 +607,7 @@ def variant_stage(stack, variant: str, folder: Path, config: dict, wl: Workload,
     if variant == "four_warps":
         built, _ = stack.enter_context(our_stage(folder, config, wl, utilization, ahead))
         return Driver(four_warps(built["stage"].launch), built["num_blocks"], wl.max_batched_tokens, ahead)
-    flag = {"unfused": "FUSE", "separate_norm_rope": "NORM_ROPE"}[variant]
+    flag = {"unfused": "FUSE", "separate_norm_rope": "NORM_ROPE", "separate_add_norm": "ADD_NORM"}[variant]
     setting = getattr(fuse, flag)
     setattr(fuse, flag, False)  # read as the stage loads its layers
     try:

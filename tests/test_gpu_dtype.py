@@ -246,8 +246,10 @@ def test_bf16_checkpoint_computes_in_bf16(bf16_run):
     shard = bf16_run["host"].shard
     assert [fuse.is_fused(layer) for layer in shard.layers] == [shard.family.fuses_projections] * len(shard.layers)
     if bf16_run["variant"] in WIDE_HEADS:
-        # What a real model's layers take on a GPU: the norm/RoPE kernel and the one-trace decode step.
+        # What a real model's layers take on a GPU: the norm/RoPE kernel, the residual add + norm
+        # kernel and the one-trace decode step.
         assert all(layer.self_attn.norm_rope is not None for layer in shard.layers)
+        assert all(isinstance(layer, fuse.AddNormBlock) for layer in shard.layers)
         assert bf16_run["host"].runner.chain.whole.usable is True
 
 

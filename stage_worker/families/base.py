@@ -74,8 +74,9 @@ class Family:
     serving_gap: str | None = None
     # Some layers are recurrent (LayerCache.state_shapes): vLLM must treat the model as hybrid.
     hybrid = False
-    # Its layers are mlx-lm's plain ones (q/k/v projections, a SwiGLU MLP): on a GPU they load with
-    # those fused into fewer matmuls (`model/fuse.py`).
+    # Its layers are mlx-lm's plain pre-norm blocks (q/k/v projections, a SwiGLU MLP or experts,
+    # residual adds around both): on a GPU they load with the projections fused into fewer matmuls
+    # and the first residual add fused with the norm after it (`model/fuse.py`).
     fuses_projections = False
 
     # --- the paged pool ----------------------------------------------------------------------------

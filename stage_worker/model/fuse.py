@@ -1,4 +1,5 @@
-"""Fused projections on a GPU: a layer's q/k/v as one matmul, and its MLP's gate/up as one.
+"""Fused projections on a GPU: a layer's q/k/v as one matmul, and its MLP's gate/up as one; and
+the block's residual add with the norm after it as one kernel (`AddNormBlock`).
 
 At batch 1 a decode step on a GPU is a chain of small matrix-vector products, each its own kernel;
 the host encodes every one and the device runs each below its bandwidth. Reading q, k and v's
@@ -20,15 +21,19 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
-from metal_cluster.kernels import gpu_backend, norm_rope
+from metal_cluster.kernels import add_norm, gpu_backend, norm_rope
 
 # METAL_CLUSTER_FUSE=0 loads every layer unfused (the benches' A/B switch).
 FUSE = os.environ.get("METAL_CLUSTER_FUSE", "1") != "0"
 # METAL_CLUSTER_NORM_ROPE=0 keeps MLX's separate q/k norm and RoPE ops on fused layers (A/B).
 NORM_ROPE = os.environ.get("METAL_CLUSTER_NORM_ROPE", "1") != "0"
+# METAL_CLUSTER_ADD_NORM=0 keeps the attention's residual add and the post-attention RMSNorm as
+# MLX's two ops (A/B).
+ADD_NORM = os.environ.get("METAL_CLUSTER_ADD_NORM", "1") != "0"
 
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj")
 MLP_PARTS = ("gate_proj", "up_proj")
+BLOCK_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm")  # and its MLP, by any name
 
 
 class SwiGLU(nn.Module):
@@ -42,6 +47,43 @@ class SwiGLU(nn.Module):
     def __call__(self, x: mx.array) -> mx.array:
         gate, up = mx.split(self.gate_up(x), [self.width], axis=-1)
         return self.down_proj(swiglu(gate, up))
+
+
+class AddNormBlock(nn.Module):
+    """mlx-lm's pre-norm decoder block (norm, attention, residual add, norm, MLP or experts,
+    residual add) with the first residual add and the norm after it as one kernel
+    (`kernels/add_norm.py`). It holds the block's own modules under their own names, so their
+    parameters keep their paths."""
+
+    def __init__(self, layer: nn.Module, mlp_name: str, spec: add_norm.AddNorm):
+        super().__init__()
+        for name in (*BLOCK_PARTS, mlp_name):
+            self[name] = layer[name]
+        self.mlp_name = mlp_name
+        self.spec = spec
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        r = self.self_attn(self.input_layernorm(x), mask, cache)
+        norm = self.post_attention_layernorm
+        if x.dtype != norm.weight.dtype:  # activations in another dtype than the plan's: MLX's ops
+            h = x + r
+            return h + self[self.mlp_name](norm(h))
+        h, normed = add_norm.add_rms_norm(x, r, norm.weight, self.spec)
+        return h + self[self.mlp_name](normed)
+
+
+def add_norm_block(layer: nn.Module) -> nn.Module:
+    """`layer` as an `AddNormBlock` on a GPU whose kernel takes its post-attention norm; otherwise
+    `layer` itself. Only for the blocks of families that say theirs are mlx-lm's plain pre-norm
+    ones (`Family.fuses_projections`)."""
+    backend = gpu_backend()
+    rest = [name for name in layer.children() if name not in BLOCK_PARTS]
+    if (not ADD_NORM or backend is None or len(rest) != 1 or not isinstance(layer[rest[0]], nn.Module)
+            or any(name not in layer for name in BLOCK_PARTS)):
+        return layer
+    norm = layer.post_attention_layernorm
+    spec = add_norm.plan(norm, norm.weight.dtype, backend)
+    return layer if spec is None else AddNormBlock(layer, rest[0], spec)
 
 
 def fuse_layer(layer: nn.Module) -> None:

@@ -83,10 +83,12 @@ def load_shard(source: ModelSource, start: int = 0, end: int | None = None,
     caches = family.layer_caches(config)[start:end]
     switch = CompileSwitch()
     fused = gpu and fuse.FUSE and family.fuses_projections
-    for layer, cache in zip(family.inner(model).layers, caches):
+    layers = family.inner(model).layers
+    for i, (layer, cache) in enumerate(zip(layers, caches)):
         family.wrap_layer(layer, cache)
         if fused:
             fuse.fuse_layer(layer)
+            layer = layers[i] = fuse.add_norm_block(layer)
         compiled.attach(layer, switch)
     return ModelShard(model=model, config=config, start=start, end=end, num_layers=num_layers, family=family,
                       caches=caches, dtype=dtype, compile_switch=switch)

@@ -572,6 +572,8 @@ B1_VARIANTS = {
                          "(METAL_CLUSTER_ADD_NORM=0, kernels/add_norm.py)",
     "eager_submit": "each step handed to the device whole as soon as it is built, not once the last one is "
                     "halfway (runner.pace_submits off, stage_worker/step/runner.py)",
+    "halfway_only": "a step's second half handed to the device right after its first, without waiting for the "
+                    "last step's last layer (runner.pace_second_half off, stage_worker/step/runner.py)",
     "four_warps": "decode attention with 4 warps a threadgroup whatever its grid (kernels/gpu.py decode_warps)",
 }
 
@@ -603,6 +605,10 @@ def variant_stage(stack, variant: str, folder: Path, config: dict, wl: Workload,
     if variant == "eager_submit":
         built, driver = stack.enter_context(our_stage(folder, config, wl, utilization, ahead))
         built["stage"].runner.pace_submits = False
+        return driver
+    if variant == "halfway_only":
+        built, driver = stack.enter_context(our_stage(folder, config, wl, utilization, ahead))
+        built["stage"].runner.pace_second_half = False
         return driver
     if variant == "four_warps":
         built, _ = stack.enter_context(our_stage(folder, config, wl, utilization, ahead))

@@ -17,6 +17,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from metal_cluster.kernels.gpu import _COMMON_MACROS, _MACROS, _PROLOGUE, LANES, WARPS
 
@@ -35,10 +36,13 @@ _BODY = """
   const int lane = tid % 32;
   const int warp = tid / 32;
   const INDEX base = (INDEX)tg_id * N;
+  constexpr float EPS = {eps};
   Row hv[CH];
+  Row wv[CH];  // loaded with the row: the weight's latency is not left for after the reduction
   float ss = 0.0f;
   UNROLL for (int c = 0; c < CH; ++c) {{
     const int off = (c * NSG * 32 + tid) * VEC;
+    wv[c] = *reinterpret_cast<const GLOBAL Row*>(weight + off);
     const Row xa = *reinterpret_cast<const GLOBAL Row*>(x + base + off);
     const Row ra = *reinterpret_cast<const GLOBAL Row*>(r + base + off);
     UNROLL for (int e = 0; e < VEC; ++e) {{
@@ -54,14 +58,13 @@ _BODY = """
   BARRIER();
   float total = 0.0f;
   UNROLL for (int w = 0; w < NSG; ++w) total += partial[w];
-  const float inv = RSQRT(total / N + eps[0]);
+  const float inv = RSQRT(total / N + EPS);
   UNROLL for (int c = 0; c < CH; ++c) {{
     const int off = (c * NSG * 32 + tid) * VEC;
-    const Row wv = *reinterpret_cast<const GLOBAL Row*>(weight + off);
     Row y;
     UNROLL for (int e = 0; e < VEC; ++e) {{
       const float normed = static_cast<float>(static_cast<T>(static_cast<float>(hv[c].v[e]) * inv));
-      y.v[e] = static_cast<T>(static_cast<float>(wv.v[e]) * normed);
+      y.v[e] = static_cast<T>(static_cast<float>(wv[c].v[e]) * normed);
     }}
     *reinterpret_cast<GLOBAL Row*>(y_out + base + off) = y;
   }}
@@ -75,7 +78,7 @@ class AddNorm:
     hidden: int
     warps: int
     vec: int  # elements per load
-    eps: mx.array  # [1] float32
+    eps: float  # compiled in: the row's scaling waits on no load for it
     backend: str  # "metal" or "cuda"
 
 
@@ -103,28 +106,30 @@ def plan(norm: nn.Module, dtype: mx.Dtype, backend: str) -> AddNorm | None:
     if found is None:
         return None
     warps, vec = found
-    return AddNorm(norm.weight.shape[0], warps, vec, mx.array([norm.eps], dtype=mx.float32), backend)
+    return AddNorm(norm.weight.shape[0], warps, vec, float(np.float32(norm.eps)), backend)
 
 
-def kernel_source(backend: str, hidden: int, warps: int, vec: int) -> tuple[str, str]:
-    body = _BODY.format(hidden=hidden, warps=warps, vec=vec)
+def kernel_source(backend: str, hidden: int, warps: int, vec: int, eps: float) -> tuple[str, str]:
+    # 9 significant digits name a float32 exactly.
+    body = _BODY.format(hidden=hidden, warps=warps, vec=vec, eps=f"{eps:.8e}f")
     return _MACROS[backend] + _COMMON_MACROS + _RSQRT[backend], _PROLOGUE[backend] + body
 
 
 @lru_cache(maxsize=None)
-def _kernel(backend: str, hidden: int, warps: int, vec: int):
-    header, source = kernel_source(backend, hidden, warps, vec)
+def _kernel(backend: str, hidden: int, warps: int, vec: int, eps: float):
+    header, source = kernel_source(backend, hidden, warps, vec, eps)
     make = mx.fast.metal_kernel if backend == "metal" else mx.fast.cuda_kernel
-    return make(name=f"add_rms_norm_n{hidden}_w{warps}_v{vec}", input_names=["x", "r", "weight", "eps"],
+    eps_bits = np.float32(eps).view(np.uint32)  # in the name too: MLX caches a kernel by its name
+    return make(name=f"add_rms_norm_n{hidden}_w{warps}_v{vec}_e{eps_bits:08x}", input_names=["x", "r", "weight"],
                 output_names=["h_out", "y_out"], source=source, header=header)
 
 
 def add_rms_norm(x: mx.array, r: mx.array, weight: mx.array, spec: AddNorm) -> tuple[mx.array, mx.array]:
     """(x + r, its RMSNorm times `weight`), both shaped and typed as x; rows over the last axis."""
     rows = x.size // spec.hidden
-    kernel = _kernel(spec.backend, spec.hidden, spec.warps, spec.vec)
+    kernel = _kernel(spec.backend, spec.hidden, spec.warps, spec.vec, spec.eps)
     threads = spec.warps * LANES
-    h, y = kernel(inputs=[x, r.astype(x.dtype), weight, spec.eps], template=[("T", x.dtype)],
+    h, y = kernel(inputs=[x, r.astype(x.dtype), weight], template=[("T", x.dtype)],
                   grid=(rows * threads, 1, 1), threadgroup=(threads, 1, 1),
                   output_shapes=[x.shape, x.shape], output_dtypes=[x.dtype, x.dtype])
     return h, y

@@ -98,8 +98,8 @@ def test_no_block_without_the_kernel(llama_layer, monkeypatch):
 def test_cuda_source_compiles_without_spills():
     for hidden in (4096, 5120, 8192):
         warps, vec = add_norm.layout(hidden, 2)
-        header, source = add_norm.kernel_source("cuda", hidden, warps, vec)
-        inputs = [("x", mx.bfloat16), ("r", mx.bfloat16), ("weight", mx.bfloat16), ("eps", mx.float32)]
+        header, source = add_norm.kernel_source("cuda", hidden, warps, vec, 1e-6)
+        inputs = [("x", mx.bfloat16), ("r", mx.bfloat16), ("weight", mx.bfloat16)]
         unit = standin.cuda_translation_unit("k", header, source, inputs, [("h_out", mx.bfloat16), ("y_out", mx.bfloat16)],
                                              [("T", mx.bfloat16)], standin.NVCC_DEVICE_HEADER)
         used = standin.nvcc_resources(unit)

@@ -83,7 +83,8 @@ class StageRunner:
         self.recurrent = any(pool.is_state)  # a recurrent layer's decode split steps one token a request
         self.blas = BlasThreads()  # on the CPU: OpenBLAS's threads per step's rows
         self.pace_submits = True  # see `_submit`; off only to measure what it saves
-        self._halfway: mx.array | None = None  # the last step's middle KV write, queued on its own
+        self.pace_second_half = True  # see `_submit`; off only to measure what it saves
+        self._marks: list[mx.array] = []  # the last step's middle and last KV writes (`_submit`)
 
     def step(self, step: pb.StepRequest, hidden_in: mx.array | None = None) -> StageOutput:
         """prepare + run, waited for."""
@@ -172,7 +173,7 @@ class StageRunner:
         return out
 
     def _submit(self, out: mx.array) -> None:
-        """Hand a step's work to the device, in two halves, once the previous step is halfway.
+        """Hand a step's work to the device in two halves, each once the last step is done with its layers.
 
         MLX keeps a queued kernel's inputs alive until its work is done, and a KV write into a
         pool still held that way cannot update it in place: it copies the layer's whole pool
@@ -180,15 +181,23 @@ class StageRunner:
         with layer L of the last one: 16 such copies a 4-bit step on the H200, 43 us each at 2377
         blocks (bench/README.md); a Mac's pool of many GB would copy gigabytes a step. Waiting
         for the whole last step instead left the device idle while MLX took the next one in
-        (1-1.5 ms a step). So the host waits for the last step's middle KV write, and the device
-        has the last step's second half to run while the host hands over this one."""
+        (1-1.5 ms a step). So the host hands this step over in two halves: its first half once
+        the last step's middle KV write is done (the device still has the last step's second half
+        to run), the rest once the last step's last KV write is done (the device still has the
+        last step's head and this step's first half). A host that is quicker a layer than the
+        device then never reaches a layer the device has not finished; a slower one never waits."""
         if self.pace_submits:
-            if self._halfway is not None:
-                mx.eval(self._halfway)  # queued already: this waits for it, and queues nothing
-            # The last step's marker is dropped before this step is queued: a reference held here
-            # would itself keep that pool from being updated in place.
-            self._halfway = self.pool.keys[len(self.pool.keys) // 2]
-            mx.async_eval(self._halfway)
+            keys = self.pool.keys
+            marks = sorted({len(keys) // 2, len(keys) - 1}) if self.pace_second_half else [len(keys) // 2]
+            last, self._marks = self._marks, []
+            for i, a in enumerate(marks):
+                if i < len(last):
+                    # Waited for, then dropped before the part that writes its pool is queued: a
+                    # reference held here would itself keep that pool from being updated in place.
+                    mx.eval(last[i])  # queued already: this waits for it, and queues nothing
+                    last[i] = None
+                mx.async_eval(keys[a])
+            self._marks = [keys[a] for a in marks]
         mx.async_eval(out)
 
     def _pool(self, batch: StepBatch, hidden: mx.array) -> dict[str, np.ndarray]:

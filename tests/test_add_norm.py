@@ -94,6 +94,17 @@ def test_no_block_without_the_kernel(llama_layer, monkeypatch):
     assert fuse.add_norm_block(llama_layer) is llama_layer  # METAL_CLUSTER_ADD_NORM=0
 
 
+def test_one_body_two_backends():
+    """Metal runs the text the CUDA tests check: past each backend's prologue it is the same."""
+    from metal_cluster.kernels.gpu import _PROLOGUE
+
+    metal_header, metal = add_norm.kernel_source("metal", 4096, 4, 8, 1e-6)
+    cuda_header, cuda = add_norm.kernel_source("cuda", 4096, 4, 8, 1e-6)
+    assert "simd_sum" in metal_header and "__shfl_xor_sync" in cuda_header
+    assert metal.replace(_PROLOGUE["metal"], "") == cuda.replace(_PROLOGUE["cuda"], "")
+    assert "{{" not in metal and "EPS = 1.00000000e-06f" in metal  # format() consumed every placeholder
+
+
 @pytest.mark.skipif(standin.NVCC is None, reason="no nvcc on this machine")
 def test_cuda_source_compiles_without_spills():
     for hidden in (4096, 5120, 8192):

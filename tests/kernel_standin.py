@@ -252,6 +252,24 @@ def _from_host(data: bytes, shape, dtype) -> mx.array:
     return mx.array(arr).view(mx.bfloat16) if dtype == mx.bfloat16 else mx.array(arr)
 
 
+def real_or_emulated(monkeypatch, backend: str | None, kernel_cache):
+    """A kernel test fixture's body: the real kernels where MLX runs on a GPU (`backend`), else
+    `mx.fast.cuda_kernel` emulated on the CPU (yields "cuda"; skips without g++). `kernel_cache`,
+    the module's lru-cached kernel builder, is cleared around the emulation so that no emulated
+    kernel stays behind for a real GPU run."""
+    if backend is not None:
+        yield backend
+        return
+    if GXX is None:
+        import pytest
+
+        pytest.skip("no GPU, and the CUDA emulation needs g++ on Linux")
+    monkeypatch.setattr(mx.fast, "cuda_kernel", EmulatedCudaKernels())
+    kernel_cache.cache_clear()
+    yield "cuda"
+    kernel_cache.cache_clear()
+
+
 class EmulatedCudaKernels:
     """A stand-in for `mx.fast.cuda_kernel` (same arguments, same call) that runs the kernel on the
     CPU as described above. `launches` records (name, groups, threads) of every call."""

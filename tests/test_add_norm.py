@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_flatten, tree_map
 from mlx_lm.utils import load
 
 import tiny_models
@@ -27,15 +28,7 @@ TOLERANCE = {mx.float32: dict(rtol=1e-5, atol=1e-5), mx.bfloat16: dict(rtol=1.6e
 @pytest.fixture
 def kernel_backend(monkeypatch):
     """The real kernel on a GPU; elsewhere `mx.fast.cuda_kernel` emulated on the CPU."""
-    if BACKEND is not None:
-        yield BACKEND
-        return
-    if standin.GXX is None:
-        pytest.skip("no GPU, and the CUDA emulation needs g++ on Linux")
-    monkeypatch.setattr(mx.fast, "cuda_kernel", standin.EmulatedCudaKernels())
-    add_norm._kernel.cache_clear()
-    yield "cuda"
-    add_norm._kernel.cache_clear()  # no emulated kernel stays behind for a real GPU run
+    yield from standin.real_or_emulated(monkeypatch, BACKEND, add_norm._kernel)
 
 
 def close(got, want, dtype):
@@ -78,10 +71,10 @@ def test_block_equals_mlx_lms_block(llama_layer, dtype, kernel_backend, monkeypa
     """An `AddNormBlock` made of mlx-lm's llama block computes what the block does, and keeps its
     modules (and their parameters' names)."""
     monkeypatch.setattr(fuse, "gpu_backend", lambda: kernel_backend)
-    llama_layer.update(tree_cast(llama_layer.parameters(), dtype))
+    llama_layer.update(tree_map(lambda p: p.astype(dtype), llama_layer.parameters()))
     block = fuse.add_norm_block(llama_layer)
     assert isinstance(block, fuse.AddNormBlock) and block.mlp is llama_layer.mlp
-    assert sorted(k for k, _ in _flat(block.parameters())) == sorted(k for k, _ in _flat(llama_layer.parameters()))
+    assert sorted(k for k, _ in tree_flatten(block.parameters())) == sorted(k for k, _ in tree_flatten(llama_layer.parameters()))
     x = mx.random.normal((1, 5, 256), key=mx.random.key(4)).astype(dtype)
     close(block(x), llama_layer(x), dtype)
 
@@ -115,17 +108,3 @@ def test_cuda_source_compiles_without_spills():
                                              [("T", mx.bfloat16)], standin.NVCC_DEVICE_HEADER)
         used = standin.nvcc_resources(unit)
         assert used["spill_stores"] == 0 and used["spill_loads"] == 0, used["log"]
-
-
-def tree_cast(params, dtype):
-    if isinstance(params, dict):
-        return {k: tree_cast(v, dtype) for k, v in params.items()}
-    if isinstance(params, list):
-        return [tree_cast(v, dtype) for v in params]
-    return params.astype(dtype)
-
-
-def _flat(params):
-    from mlx.utils import tree_flatten
-
-    return tree_flatten(params)

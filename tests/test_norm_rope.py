@@ -11,6 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx.utils import tree_map
 from mlx_lm.utils import load
 
 import tiny_models
@@ -30,15 +31,7 @@ LLAMA3_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, 
 @pytest.fixture
 def kernel_backend(monkeypatch):
     """The real kernel on a GPU; elsewhere `mx.fast.cuda_kernel` emulated on the CPU."""
-    if BACKEND is not None:
-        yield BACKEND
-        return
-    if standin.GXX is None:
-        pytest.skip("no GPU, and the CUDA emulation needs g++ on Linux")
-    monkeypatch.setattr(mx.fast, "cuda_kernel", standin.EmulatedCudaKernels())
-    nr._kernel.cache_clear()
-    yield "cuda"
-    nr._kernel.cache_clear()  # no emulated kernel stays behind for a real GPU run
+    yield from standin.real_or_emulated(monkeypatch, BACKEND, nr._kernel)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +52,7 @@ def split_and_fused(inner, dtype, tokens, backend, seed):
     product of `tokens` tokens at scattered positions (prompt starts, decodes deep in a context)."""
     heads, kv_heads = inner.n_heads, inner.n_kv_heads
     head_dim = inner.q_proj.weight.shape[0] // heads
-    inner.update(tree_cast(inner.parameters(), dtype))
+    inner.update(tree_map(lambda p: p.astype(dtype), inner.parameters()))
     attn = PagedAttention(inner, heads, kv_heads, scale=head_dim ** -0.5)
     attn.qkv_split = [heads * head_dim, (heads + kv_heads) * head_dim]
     attn.norm_rope = nr.plan(inner, heads, kv_heads, head_dim, backend)
@@ -67,14 +60,6 @@ def split_and_fused(inner, dtype, tokens, backend, seed):
     qkv = (3 * mx.random.normal((1, tokens, width), key=mx.random.key(seed))).astype(dtype)
     positions = mx.array([0, 1, 7, 63, 64, 1000, 2050, 4097][:tokens], dtype=mx.int32)
     return attn, qkv, positions
-
-
-def tree_cast(params, dtype):
-    if isinstance(params, dict):
-        return {k: tree_cast(v, dtype) for k, v in params.items()}
-    if isinstance(params, list):
-        return [tree_cast(v, dtype) for v in params]
-    return params.astype(dtype)
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])

@@ -723,9 +723,16 @@ def versions() -> dict:
 
     out = dict(mlx=mx.__version__, mlx_lm=mlx_lm.__version__, python=platform.python_version())
     with contextlib.suppress(Exception):
-        out["metal_cluster_commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                                                     capture_output=True, text=True, timeout=5).stdout.strip()
+        out["metal_cluster_commit"] = _git("rev-parse", "--short", "HEAD")
+        # The GPU machine's copy has this checkout's files under an older HEAD: say so, rather than
+        # name a commit whose code did not run.
+        if _git("status", "--porcelain", "--untracked-files=no"):
+            out["metal_cluster_commit"] += " (working tree differs)"
     return out
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=5).stdout.strip()
 
 
 def _get(d: dict, *keys):

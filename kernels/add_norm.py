@@ -20,8 +20,7 @@ import mlx.nn as nn
 import numpy as np
 
 from metal_cluster.kernels.gpu import _COMMON_MACROS, _MACROS, _PROLOGUE, LANES, WARPS
-
-_RSQRT = {"metal": "#define RSQRT(x) metal::rsqrt(x)\n", "cuda": "#define RSQRT(x) rsqrtf(x)\n"}
+from metal_cluster.kernels.norm_rope import _MATH  # RSQRT per backend
 
 # Row elements a thread keeps in registers, at most: wider rows get more warps a threadgroup.
 MAX_PER_THREAD = 32
@@ -112,7 +111,7 @@ def plan(norm: nn.Module, dtype: mx.Dtype, backend: str) -> AddNorm | None:
 def kernel_source(backend: str, hidden: int, warps: int, vec: int, eps: float) -> tuple[str, str]:
     # 9 significant digits name a float32 exactly.
     body = _BODY.format(hidden=hidden, warps=warps, vec=vec, eps=f"{eps:.8e}f")
-    return _MACROS[backend] + _COMMON_MACROS + _RSQRT[backend], _PROLOGUE[backend] + body
+    return _MACROS[backend] + _COMMON_MACROS + _MATH[backend], _PROLOGUE[backend] + body
 
 
 @lru_cache(maxsize=None)

@@ -60,10 +60,15 @@ def test_rows_and_norms_the_kernel_leaves_to_mlx():
 
 
 @pytest.fixture(scope="module")
-def llama_layer(tmp_path_factory):
+def llama_layers(tmp_path_factory):
     folder = tiny_models.build_tiny_model("llama", tmp_path_factory.mktemp("llama-add-norm"), hidden_size=256)
     model, _ = load(str(folder))
-    return model.model.layers[0]
+    return model.model.layers
+
+
+@pytest.fixture
+def llama_layer(llama_layers):
+    return llama_layers[0]
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
@@ -79,12 +84,42 @@ def test_block_equals_mlx_lms_block(llama_layer, dtype, kernel_backend, monkeypa
     close(block(x), llama_layer(x), dtype)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["f32", "bf16"])
+def test_carried_blocks_equal_mlx_lms_layers(llama_layers, dtype, kernel_backend, monkeypatch):
+    """Blocks run by `fuse.run_layers` hand each last residual add to the next block's input-norm
+    kernel, and the stack still computes what mlx-lm's layers do one after the other."""
+    monkeypatch.setattr(fuse, "gpu_backend", lambda: kernel_backend)
+    assert len(llama_layers) >= 2
+    for layer in llama_layers:
+        layer.update(tree_map(lambda p: p.astype(dtype), layer.parameters()))
+    blocks = [fuse.add_norm_block(layer) for layer in llama_layers]
+    assert all(isinstance(b, fuse.AddNormBlock) and b.input_spec is not None for b in blocks)
+    launches = []
+    kernel = add_norm.add_rms_norm
+    monkeypatch.setattr(add_norm, "add_rms_norm", lambda *a: launches.append(1) or kernel(*a))
+    x = mx.random.normal((1, 5, 256), key=mx.random.key(5)).astype(dtype)
+    got = fuse.run_layers(blocks, x, lambda i: None)
+    want = x
+    for layer in llama_layers:
+        want = layer(want)
+    # Four random layers grow the residual to ~70: the kernels' other summation order shows there
+    # at the dtype's tolerance of the largest value (carried or not).
+    scale = float(mx.abs(want).max())
+    assert got.dtype == want.dtype == dtype
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                               rtol=TOLERANCE[dtype]["rtol"], atol=TOLERANCE[dtype]["atol"] * scale)
+    assert len(launches) == 2 * len(blocks) - 1  # the first block's input norm is MLX's: nothing to add before it
+
+
 def test_no_block_without_the_kernel(llama_layer, monkeypatch):
     monkeypatch.setattr(fuse, "gpu_backend", lambda: None)
     assert fuse.add_norm_block(llama_layer) is llama_layer  # MLX's CPU backend
     monkeypatch.setattr(fuse, "gpu_backend", lambda: "cuda")
     monkeypatch.setattr(fuse, "ADD_NORM", False)
     assert fuse.add_norm_block(llama_layer) is llama_layer  # METAL_CLUSTER_ADD_NORM=0
+    monkeypatch.setattr(fuse, "ADD_NORM", True)
+    monkeypatch.setattr(fuse, "CARRY", False)
+    assert fuse.add_norm_block(llama_layer).input_spec is None  # METAL_CLUSTER_CARRY=0: not carried
 
 
 def test_one_body_two_backends():

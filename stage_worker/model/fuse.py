@@ -1,5 +1,5 @@
 """Fused projections on a GPU: a layer's q/k/v as one matmul, and its MLP's gate/up as one; and
-the block's residual add with the norm after it as one kernel (`AddNormBlock`).
+each residual add with the norm after it as one kernel (`AddNormBlock`, `run_layers`).
 
 At batch 1 a decode step on a GPU is a chain of small matrix-vector products, each its own kernel;
 the host encodes every one and the device runs each below its bandwidth. Reading q, k and v's
@@ -30,6 +30,9 @@ NORM_ROPE = os.environ.get("METAL_CLUSTER_NORM_ROPE", "1") != "0"
 # METAL_CLUSTER_ADD_NORM=0 keeps the attention's residual add and the post-attention RMSNorm as
 # MLX's two ops (A/B).
 ADD_NORM = os.environ.get("METAL_CLUSTER_ADD_NORM", "1") != "0"
+# METAL_CLUSTER_CARRY=0 keeps each block's last residual add its own op instead of the next
+# block's input-norm kernel's (A/B).
+CARRY = os.environ.get("METAL_CLUSTER_CARRY", "1") != "0"
 
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj")
 MLP_PARTS = ("gate_proj", "up_proj")
@@ -53,23 +56,51 @@ class AddNormBlock(nn.Module):
     """mlx-lm's pre-norm decoder block (norm, attention, residual add, norm, MLP or experts,
     residual add) with the first residual add and the norm after it as one kernel
     (`kernels/add_norm.py`). It holds the block's own modules under their own names, so their
-    parameters keep their paths."""
+    parameters keep their paths.
 
-    def __init__(self, layer: nn.Module, mlp_name: str, spec: add_norm.AddNorm):
+    `carried` runs it with its last residual add left to the caller: `run_layers` hands that sum
+    to the next block, whose input norm takes it in the same kernel."""
+
+    def __init__(self, layer: nn.Module, mlp_name: str, spec: add_norm.AddNorm, input_spec: add_norm.AddNorm | None):
         super().__init__()
         for name in (*BLOCK_PARTS, mlp_name):
             self[name] = layer[name]
         self.mlp_name = mlp_name
         self.spec = spec
+        self.input_spec = input_spec  # None: the input norm stays MLX's, and the block is not carried
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-        r = self.self_attn(self.input_layernorm(x), mask, cache)
+        h, m = self.carried(x, None, mask, cache)
+        return h + m
+
+    def carried(self, x: mx.array, pending: mx.array | None, mask=None, cache=None) -> tuple[mx.array, mx.array]:
+        """The block on input x + pending (pending None: on x), as (h, m) whose sum is its output."""
         norm = self.post_attention_layernorm
         if x.dtype != norm.weight.dtype:  # activations in another dtype than the plan's: MLX's ops
-            h = x + r
-            return h + self[self.mlp_name](norm(h))
-        h, normed = add_norm.add_rms_norm(x, r, norm.weight, self.spec)
-        return h + self[self.mlp_name](normed)
+            x = x if pending is None else x + pending
+            h = x + self.self_attn(self.input_layernorm(x), mask, cache)
+            return h, self[self.mlp_name](norm(h))
+        if pending is None:
+            normed = self.input_layernorm(x)
+        else:
+            x, normed = add_norm.add_rms_norm(x, pending, self.input_layernorm.weight, self.input_spec)
+        h, normed = add_norm.add_rms_norm(x, self.self_attn(normed, mask, cache), norm.weight, self.spec)
+        return h, self[self.mlp_name](normed)
+
+
+def run_layers(layers: list[nn.Module], h: mx.array, context_of) -> mx.array:
+    """h through `layers` in order, layer i called with `context_of(i)` as its cache. Between two
+    carried blocks the residual add goes into the next block's input-norm kernel: one launch a
+    layer fewer on a GPU, the same values (the kernel rounds the sum as MLX's add does)."""
+    pending = None
+    for i, layer in enumerate(layers):
+        if isinstance(layer, AddNormBlock) and layer.input_spec is not None:
+            h, pending = layer.carried(h, pending, None, context_of(i))
+            continue
+        if pending is not None:
+            h, pending = h + pending, None
+        h = layer(h, None, context_of(i))
+    return h if pending is None else h + pending
 
 
 def add_norm_block(layer: nn.Module) -> nn.Module:
@@ -83,7 +114,11 @@ def add_norm_block(layer: nn.Module) -> nn.Module:
         return layer
     norm = layer.post_attention_layernorm
     spec = add_norm.plan(norm, norm.weight.dtype, backend)
-    return layer if spec is None else AddNormBlock(layer, rest[0], spec)
+    if spec is None:
+        return layer
+    entry = layer.input_layernorm
+    input_spec = add_norm.plan(entry, norm.weight.dtype, backend) if CARRY else None
+    return AddNormBlock(layer, rest[0], spec, input_spec)
 
 
 def fuse_layer(layer: nn.Module) -> None:

@@ -17,6 +17,7 @@ inputs, so the traces hold no step's values; MLX keeps one per input shape (batc
 import mlx.core as mx
 import mlx.nn as nn
 
+from metal_cluster.stage_worker.model import fuse
 from metal_cluster.stage_worker.step.attention import LayerContext
 from metal_cluster.stage_worker.step.tracing.compiled import CompileSwitch, SplitMixer, Traced, split_mixer
 from metal_cluster.stage_worker.step.tracing.whole_step import WholeStep
@@ -44,9 +45,7 @@ class DecodeChain:
         try:
             if compiled:
                 return self(h, batch, pool)
-            for i, layer in enumerate(self.layers):
-                h = layer(h, None, LayerContext(batch, pool, i))
-            return h
+            return fuse.run_layers(self.layers, h, lambda i: LayerContext(batch, pool, i))
         finally:
             self.switch.on, self.switch.inputs = False, ()
 

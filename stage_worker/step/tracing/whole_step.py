@@ -29,6 +29,7 @@ import mlx.nn as nn
 
 from metal_cluster import kernels
 from metal_cluster.kernels import AttentionMetadata
+from metal_cluster.stage_worker.model import fuse
 from metal_cluster.stage_worker.step.attention import LayerContext, PagedAttention
 from metal_cluster.stage_worker.step.batch import GroupTables
 from metal_cluster.stage_worker.step.tracing.compiled import CompileSwitch
@@ -138,8 +139,7 @@ class WholeStep:
         shadow_batch = replace(batch, positions=positions, groups=groups)
         keys, values = _unflat(pool, arrays[4 * n:])
         shadow_pool = replace(pool, keys=keys, values=values, _indices={})
-        for i, layer in enumerate(self.layers):
-            h = layer(h, None, LayerContext(shadow_batch, shadow_pool, i))
+        h = fuse.run_layers(self.layers, h, lambda i: LayerContext(shadow_batch, shadow_pool, i))
         self._routes = [r for t in groups for r in t.attn.__dict__.get("_paged_attention_routes", {}).values()]
         return (h, *_arrays(shadow_pool))
 

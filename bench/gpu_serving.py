@@ -570,6 +570,8 @@ B1_VARIANTS = {
     "separate_norm_rope": "q/k norms and RoPE as MLX's four ops a layer (METAL_CLUSTER_NORM_ROPE=0, kernels/norm_rope.py)",
     "separate_add_norm": "the attention's residual add and the post-attention RMSNorm as MLX's two ops a layer "
                          "(METAL_CLUSTER_ADD_NORM=0, kernels/add_norm.py)",
+    "uncarried": "each block's last residual add as its own op, not in the next block's input-norm kernel "
+                 "(METAL_CLUSTER_CARRY=0, stage_worker/model/fuse.py run_layers)",
     "eager_submit": "each step handed to the device whole as soon as it is built, not once the last one is "
                     "halfway (runner.pace_submits off, stage_worker/step/runner.py)",
     "halfway_only": "a step's second half handed to the device right after its first, without waiting for the "
@@ -613,7 +615,8 @@ def variant_stage(stack, variant: str, folder: Path, config: dict, wl: Workload,
     if variant == "four_warps":
         built, _ = stack.enter_context(our_stage(folder, config, wl, utilization, ahead))
         return Driver(four_warps(built["stage"].launch), built["num_blocks"], wl.max_batched_tokens, ahead)
-    flag = {"unfused": "FUSE", "separate_norm_rope": "NORM_ROPE", "separate_add_norm": "ADD_NORM"}[variant]
+    flag = {"unfused": "FUSE", "separate_norm_rope": "NORM_ROPE", "separate_add_norm": "ADD_NORM",
+            "uncarried": "CARRY"}[variant]
     setting = getattr(fuse, flag)
     setattr(fuse, flag, False)  # read as the stage loads its layers
     try:

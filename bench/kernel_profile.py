@@ -13,11 +13,12 @@ Loops: mlx-lm's own decode loop (generate_step's pattern), and our stage built a
 (StageHost assign + start from the folder, bench/graph_ops.build_host) decoding one step ahead as
 under vLLM's async scheduling, once per `--num-blocks` (the pool's size), and with `--unfused` once
 more with METAL_CLUSTER_FUSE=0's separate projections, and with `--separate-norm-rope` once more
-with METAL_CLUSTER_NORM_ROPE=0's four q/k norm and RoPE ops a layer, and with `--separate-add-norm` with
-METAL_CLUSTER_ADD_NORM=0's residual add and RMSNorm ops. Folders are bench/gpu_serving.py's.
+with METAL_CLUSTER_NORM_ROPE=0's four q/k norm and RoPE ops a layer, with `--separate-add-norm` with
+METAL_CLUSTER_ADD_NORM=0's residual add and RMSNorm ops, and with `--uncarried` with
+METAL_CLUSTER_CARRY=0's last residual add of each block as its own op. Folders are bench/gpu_serving.py's.
 
 On the GPU machine (a CUDA torch beside MLX's CUDA build):
-    python3 bench/kernel_profile.py [--formats 4bit,bf16] [--num-blocks 64,2377] [--unfused] [--separate-norm-rope] [--separate-add-norm] [--by-grid] [--steps 32] [--json out.json]
+    python3 bench/kernel_profile.py [--formats 4bit,bf16] [--num-blocks 64,2377] [--unfused] [--separate-norm-rope] [--separate-add-norm] [--uncarried] [--by-grid] [--steps 32] [--json out.json]
 Here (no CUDA: the loops run, the kernel table is empty), a smoke test:
     .venv/bin/python bench/kernel_profile.py --small --steps 2
 """
@@ -154,6 +155,7 @@ def main():
     ap.add_argument("--unfused", action="store_true", help="also our stage with separate projections")
     ap.add_argument("--separate-norm-rope", action="store_true", help="also our stage with MLX's q/k norm and RoPE ops")
     ap.add_argument("--separate-add-norm", action="store_true", help="also our stage with MLX's residual add and RMSNorm ops")
+    ap.add_argument("--uncarried", action="store_true", help="also our stage with each block's last residual add its own op")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--top", type=int, default=14)
     ap.add_argument("--by-grid", action="store_true", help="kernels told apart by launch grid too (a matmul's shapes)")
@@ -174,7 +176,8 @@ def main():
         first = int(args.num_blocks.split(",")[0])
         for flag, option, label in (("FUSE", "unfused", "unfused"),
                                     ("NORM_ROPE", "separate_norm_rope", "separate norm and rope"),
-                                    ("ADD_NORM", "separate_add_norm", "separate add and norm")):
+                                    ("ADD_NORM", "separate_add_norm", "separate add and norm"),
+                                    ("CARRY", "uncarried", "uncarried")):
             if getattr(args, option):
                 loops.append((f"ours, {first} blocks, {label}", lambda f=folders[fmt], flag=flag: switched_off(flag, f, first, tokens)))
         for label, build in loops:
@@ -192,7 +195,7 @@ def main():
 
 
 def switched_off(flag: str, folder: Path, num_blocks: int, tokens: int):
-    """`ours` loaded with one of model/fuse.py's switches (FUSE, NORM_ROPE, ADD_NORM) off."""
+    """`ours` loaded with one of model/fuse.py's switches (FUSE, NORM_ROPE, ADD_NORM, CARRY) off."""
     setting = getattr(fuse, flag)
     setattr(fuse, flag, False)
     try:

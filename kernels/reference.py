@@ -1,10 +1,14 @@
 """Reference paged varlen attention in plain MLX ops: the oracle for kernels and the CPU path.
 
-Decodes (one query each) go through one batched SDPA over their gathered, padded contexts; each
-prefill chunk gathers its own blocks and runs SDPA with the mask its queries need (causal over the
-new tokens, full over the cached context, optional sliding window). On the CPU the cost is mostly
-per-op overhead, so fewer, larger ops win.
+Decodes (one query each) go through one batched SDPA over their gathered, padded contexts (a lone
+decode's context sliced to its length instead: no padding, no mask); each prefill chunk gathers its
+own blocks and runs SDPA with the mask its queries need (causal over the new tokens, full over the
+cached context, optional sliding window). On the CPU the cost is mostly per-op overhead, so fewer,
+larger ops win: what the decodes' gathers need from the step's metadata is planned once per step
+(`DecodeGather`) and shared by every layer.
 """
+
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -19,8 +23,8 @@ BATCHED_DECODE_MAX_CONTEXT = 512
 def paged_attention_reference(q, k_pool, v_pool, meta: AttentionMetadata, scale, sliding_window=None, sinks=None):
     q_lens, ctx_lens = meta.query_lens_host, meta.seq_lens_host
     decodes = [r for r, n in enumerate(q_lens) if n == 1]
-    if decodes and max(ctx_lens[r] for r in decodes) > BATCHED_DECODE_MAX_CONTEXT:
-        decodes = []
+    if len(decodes) > 1 and max(ctx_lens[r] for r in decodes) > BATCHED_DECODE_MAX_CONTEXT:
+        decodes = []  # a lone decode is never padded
     decoded = _decode_batch(q, k_pool, v_pool, meta, decodes, scale, sliding_window, sinks) if decodes else None
     starts = _starts(q_lens)
     return stitch(q_lens, decodes, decoded, lambda r: _prefill_one(
@@ -48,23 +52,68 @@ def _starts(q_lens):
     return starts
 
 
-def _decode_batch(q, k_pool, v_pool, meta, rows, scale, window, sinks):
-    """All single-query requests at once: [R, H, D] out of contexts padded to the longest."""
-    block_size = k_pool.shape[1]
-    ctx = [meta.seq_lens_host[r] for r in rows]
-    n_blocks = -(-max(ctx) // block_size)
-    index = mx.array(rows)
-    tables = meta.block_tables[index, :n_blocks]
+@dataclass(frozen=True)
+class DecodeGather:
+    """How a step's single-query requests read their contexts, the same in every layer."""
+
+    q_rows: mx.array | None  # which rows of q are theirs; None: all of q, in order
+    blocks: mx.array  # [requests * width] block ids, each request's `width` blocks in turn
+    width: int
+    span: tuple[int, int] | None  # one request: the tokens of its gathered blocks it attends to
+    mask: mx.array | None  # several: [requests, 1, 1, width * block_size], past each length masked
+
+
+def decode_gather(meta: AttentionMetadata, rows: list[int], block_size: int, window) -> DecodeGather:
+    """The gather plan of decode requests `rows`, made on the step's first layer and kept on its
+    metadata (as the kernels' routes are) for the others."""
+    plans = meta.__dict__.setdefault("_reference_decode_gathers", {})
+    key = (tuple(rows), block_size, window)
+    plan = plans.get(key)
+    if plan is None:
+        plan = plans[key] = _plan_decode_gather(meta, rows, block_size, window)
+    return plan
+
+
+def _plan_decode_gather(meta, rows, block_size, window) -> DecodeGather:
     starts = _starts(meta.query_lens_host)
-    q_rows = q[mx.array([starts[r] for r in rows])][:, :, None, :]  # [R, H, 1, D]
-    k, v = _gather_padded(k_pool, tables), _gather_padded(v_pool, tables)
-    positions = mx.arange(n_blocks * block_size)[None, :]
+    every_row = rows == list(range(len(meta.query_lens_host))) and starts == rows
+    q_rows = None if every_row else mx.array([starts[r] for r in rows])
+    ctx = [meta.seq_lens_host[r] for r in rows]
+    if len(rows) == 1:
+        end = ctx[0]
+        start = 0 if window is None else max(0, end - window)
+        first, last = start // block_size, -(-end // block_size)
+        blocks = meta.block_tables[rows[0], first:last]
+        skip = first * block_size
+        return DecodeGather(q_rows, blocks, last - first, (start - skip, end - skip), None)
+    width = -(-max(ctx) // block_size)
+    blocks = meta.block_tables[:, :width] if every_row else meta.block_tables[mx.array(rows), :width]
+    positions = mx.arange(width * block_size)[None, :]
     lens = mx.array(ctx)[:, None]
     mask = positions < lens
     if window is not None:
         mask = mask & (positions >= lens - window)
-    out = _sdpa(q_rows, k, v, scale, mask[:, None, None, :], sinks)
-    return out[:, :, 0, :]
+    return DecodeGather(q_rows, blocks.reshape(-1), width, None, mask[:, None, None, :])
+
+
+def _decode_batch(q, k_pool, v_pool, meta, rows, scale, window, sinks):
+    """All single-query requests at once: [R, H, D]."""
+    plan = decode_gather(meta, rows, k_pool.shape[1], window)
+    q_rows = q if plan.q_rows is None else q[plan.q_rows]
+    requests, heads, head_dim = q_rows.shape
+    k, v = _gather_decodes(k_pool, plan, requests), _gather_decodes(v_pool, plan, requests)
+    out = _sdpa(q_rows.reshape(requests, heads, 1, head_dim), k, v, scale, plan.mask, sinks)
+    return out.reshape(requests, heads, out.shape[-1])
+
+
+def _gather_decodes(pool, plan: DecodeGather, requests: int):
+    """[requests, kv_heads, tokens, D] of the planned contexts."""
+    _, block_size, kv_heads, head_dim = pool.shape
+    kv = pool[plan.blocks].reshape(requests, plan.width * block_size, kv_heads, head_dim)
+    if plan.span is not None:
+        kv = kv[:, plan.span[0]: plan.span[1]]
+    # MLX's CPU SDPA is several times slower on a strided (transposed) K/V than on a packed one.
+    return mx.contiguous(kv.transpose(0, 2, 1, 3))
 
 
 def _gather_padded(pool, tables):
@@ -72,7 +121,6 @@ def _gather_padded(pool, tables):
     r, n = tables.shape
     _, block_size, kv_heads, head_dim = pool.shape
     kv = pool[tables.reshape(-1)].reshape(r, n * block_size, kv_heads, head_dim)
-    # MLX's CPU SDPA is several times slower on a strided (transposed) K/V than on a packed one.
     return mx.contiguous(kv.transpose(0, 2, 1, 3))
 
 

@@ -323,7 +323,7 @@ def test_decode_steps_of_a_few_requests_take_one_blas_thread():
     probe = (
         "import ctypes, os\n"
         "from metal_cluster.stage_worker.step.blas_threads import BlasThreads\n"
-        "lib = ctypes.CDLL(os.environ['LD_PRELOAD'].split(':')[0])\n"
+        "lib = ctypes.CDLL(next(p for p in os.environ['LD_PRELOAD'].split(':') if 'libopenblas' in p))\n"
         "blas = BlasThreads()\n"
         "seen = []\n"
         "for rows in (1, 4, 8, 9, 3, 6, 2048, 'new runner', 5, 'new runner', 1):\n"

@@ -112,12 +112,15 @@ def _measure(fn, concurrency):
             "tok_s": tokens / wall, "requests": len(rows)}
 
 
-def start_mlx_lm(folder, log_path):
+def start_mlx_lm(folder, log_path, forward_gemv: bool = False):
+    """mlx_lm.server on OpenBLAS; with `forward_gemv` also behind our one-row forwarding
+    (coordinator/gemv_forward.c), which `serve` has and mlx-lm does not."""
     port = free_port()
     cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(folder), "--port", str(port),
            "--temp", "0", "--decode-concurrency", "32", "--prompt-concurrency", "8"]
     log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=openblas_env(), start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=openblas_env(forward_gemv=forward_gemv),
+                            start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

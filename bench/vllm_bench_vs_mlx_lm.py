@@ -2,10 +2,13 @@
 
 Both servers are up at once, on the same weights (the embedded SmolLM2, its GGUF dequantized to
 float32 on both sides), and `vllm bench serve` (random prompts through the chat API, greedy,
-ignore_eos) runs against one, then the other, at each concurrency; both get OpenBLAS. The chat API,
-because mlx_lm.server refuses the completions request vLLM's client sends ("logprobs": null).
+ignore_eos) runs against one, then the other, at each concurrency; both get OpenBLAS, and `serve`
+its one-row GEMM forwarding in front of it (coordinator/gemv_forward.c), which mlx_lm.server gets
+too with --mlx-lm-gemv-forward. The chat API, because mlx_lm.server refuses the completions request
+vLLM's client sends ("logprobs": null).
 
   .venv/bin/python bench/vllm_bench_vs_mlx_lm.py [--concurrency 1 4] [--input-len 256] [--output-len 64]
+      [--mlx-lm-gemv-forward]
 """
 
 import argparse
@@ -52,13 +55,16 @@ def main():
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--prompts-per-slot", type=int, default=4, help="prompts per unit of concurrency")
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--mlx-lm-gemv-forward", action="store_true",
+                   help="run mlx_lm.server behind our one-row GEMM forwarding too (coordinator/gemv_forward.c), "
+                        "not on OpenBLAS alone")
     args = p.parse_args()
 
     source = resolve_model(None)
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-client-"))
     folder = mlx_lm_folder(source, work)
     results = {}
-    mlx_proc, mlx_url = start_mlx_lm(folder, work / "mlx_lm.log")
+    mlx_proc, mlx_url = start_mlx_lm(folder, work / "mlx_lm.log", args.mlx_lm_gemv_forward)
     try:
         with running_server(None, "--max-model-len", "2048", "--max-num-seqs", "32", log_path=work / "ours.log",
                             timeout=600) as ours_url:

@@ -60,18 +60,18 @@ def _built(source: bytes) -> str | None:
     return str(lib)
 
 
-def preloads() -> list[str]:
+def preloads(forward_gemv: bool = True) -> list[str]:
     """What goes into LD_PRELOAD for CPU matmuls, in order."""
     lib = find_openblas()
-    return [] if lib is None else [p for p in (gemv_forward(), lib) if p]
+    return [] if lib is None else [p for p in (forward_gemv and gemv_forward(), lib) if p]
 
 
-def openblas_env(env: dict | None = None) -> dict:
-    """`env` with OpenBLAS (and the one-row forwarding) preloaded where available: for child
-    processes (workers, benchmarks)."""
+def openblas_env(env: dict | None = None, forward_gemv: bool = True) -> dict:
+    """`env` with OpenBLAS (and, unless told not to, the one-row forwarding) preloaded where
+    available: for child processes (workers, benchmarks)."""
     env = dict(os.environ if env is None else env)
     have = env.get("LD_PRELOAD", "")
-    wanted = [p for p in preloads() if p not in have]
+    wanted = [p for p in preloads(forward_gemv) if p not in have]
     if wanted:
         env["LD_PRELOAD"] = ":".join(filter(None, [*wanted, have]))
     return env

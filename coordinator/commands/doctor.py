@@ -53,7 +53,9 @@ def openblas() -> Check | None:
         return None
     lib = blas.find_openblas()
     if lib:
-        return Check("openblas", True, f"{lib} (preloaded for CPU matmuls)")
+        forwarding = ("one-row products forwarded to GEMV" if blas.gemv_forward()
+                      else "no C compiler to build coordinator/gemv_forward.c: one-row products stay GEMMs")
+        return Check("openblas", True, f"{lib} (preloaded for CPU matmuls; {forwarding})")
     return Check("openblas", False, "not found: MLX's CPU backend falls back to a ~30x slower reference BLAS",
                  "apt-get install libopenblas0-pthread")
 

@@ -138,6 +138,47 @@ def test_kernel_with_sinks_matches_reference(case):
     assert not np.allclose(want, without, **TOLERANCE[dtype])  # the sinks matter in this case
 
 
+def attention_by_definition(q, k_pool, v_pool, meta, scale, window):
+    """Each query's softmax over its causal (windowed) context, token by token, in numpy."""
+    block_size, kv_heads, head_dim = k_pool.shape[1:]
+    flat_k = np.array(k_pool).reshape(-1, kv_heads, head_dim)
+    flat_v = np.array(v_pool).reshape(-1, kv_heads, head_dim)
+    tables, qs, heads = np.array(meta.block_tables), np.array(q), q.shape[1]
+    out, row = np.zeros(qs.shape, np.float64), 0
+    for r, (n, ctx) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        slots = [tables[r][p // block_size] * block_size + p % block_size for p in range(ctx)]
+        for t in range(n):
+            pos = ctx - n + t
+            first = 0 if window is None else max(0, pos + 1 - window)
+            for h in range(heads):
+                kvh = h // (heads // kv_heads)
+                k, v = flat_k[slots[first: pos + 1], kvh], flat_v[slots[first: pos + 1], kvh]
+                logits = k @ qs[row, h] * scale
+                p = np.exp(logits - logits.max())
+                out[row, h] = (p / p.sum()) @ v
+            row += 1
+    return out
+
+
+@pytest.mark.parametrize("specs,window", [
+    ([(1, 37)], None),  # a lone decode: its context sliced to its length, no mask
+    ([(1, 37)], 11),  # ... from a window that starts inside a block
+    ([(1, 5), (1, 37), (1, 16)], None),  # several: padded to the longest, masked
+    ([(1, 5), (1, 37), (1, 16)], 11),
+    ([(3, 20), (1, 37), (1, 9)], 11),  # decodes beside a prompt chunk: their rows of q taken out
+], ids=["one", "one-window", "several", "several-window", "beside-a-chunk"])
+def test_reference_decodes_equal_the_definition(specs, window):
+    """The reference's decode paths (one planned gather a step, `reference.DecodeGather`) against
+    attention written out per token."""
+    q, k_pool, v_pool, meta = make_batch(5, specs, 6, 2, 32, 8, mx.float32)
+    with mx.stream(mx.cpu):
+        got = np.array(paged_attention_reference(q, k_pool, v_pool, meta, 0.2, window))
+        again = np.array(paged_attention_reference(q, k_pool, v_pool, meta, 0.2, window))  # the plan, reused
+    want = attention_by_definition(q, k_pool, v_pool, meta, 0.2, window)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4)
+    assert np.array_equal(got, again) and len(meta.__dict__["_reference_decode_gathers"]) == 1
+
+
 def test_reference_sinks_are_an_extra_logit_with_no_value():
     """The reference's sinks, against the definition: softmax over [scores, sink], the sink's share dropped."""
     q, k_pool, v_pool, meta = make_batch(3, [(4, 12), (1, 9)], 4, 2, 64, 8, mx.float32)

@@ -288,7 +288,7 @@ def _run_server(source, host, port, utilization, extra, local_stages=0, planned=
     if planned:
         local_stages = sum(1 for s in planned if s.host.local)
     try:
-        with local_workers.started(local_stages, host=local_ip) as workers, \
+        with local_workers.started(local_stages, host=local_ip, avoid=(port,)) as workers, \
                 run_registration(host, port, source, workers) as run_dir:
             os.environ[LOCAL_STAGES_ENV] = ",".join(w.address for w in workers)  # they read our path
             local_addresses = iter(w.address for w in workers)

@@ -328,6 +328,16 @@ def test_rebalance_lets_running_requests_finish(llama_model, env):
         worker.wait(10)
 
 
+def test_local_workers_take_no_port_promised_to_the_api_server():
+    """The API server binds its port only after the local workers are up: a worker that drew the
+    same free port took it first (a CI run's `Address already in use`)."""
+    from metal_cluster.coordinator.cluster.local_workers import _free_ports
+
+    even = tuple(range(0, 65536, 2))
+    ports = _free_ports(20, "127.0.0.1", avoid=even)
+    assert len(set(ports)) == 20 and all(p % 2 for p in ports)
+
+
 def test_local_workers_go_with_their_server(llama_model, env):
     """`serve -pp` killed with -9 (no cleanup of its own): its stage workers stop by themselves."""
     with running_server(llama_model, *ARGS, "-pp", "2", log_path=env / "server.log"):

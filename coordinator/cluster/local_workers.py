@@ -28,26 +28,30 @@ class LocalWorker:
     pid: int
 
 
-def _free_ports(n: int, host: str) -> list[int]:
-    socks = []
+def _free_ports(n: int, host: str, avoid: tuple[int, ...] = ()) -> list[int]:
+    """`n` ports free now, none of them in `avoid` (ports that are free now but promised elsewhere:
+    the API server binds its own only after the workers are up)."""
+    socks, ports = [], []
     try:
-        for _ in range(n):
+        while len(ports) < n:
             s = socket.socket()
             s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
+            socks.append(s)  # held until all are chosen, so none comes back twice
+            if s.getsockname()[1] not in avoid:
+                ports.append(s.getsockname()[1])
+        return ports
     finally:
         for s in socks:
             s.close()
 
 
 @contextlib.contextmanager
-def started(count: int, host: str = "127.0.0.1"):
-    """Yield `count` fresh workers (none for count 1: the stage runs in-process)."""
+def started(count: int, host: str = "127.0.0.1", avoid: tuple[int, ...] = ()):
+    """Yield `count` fresh workers (none for count 1: the stage runs in-process), on ports not in `avoid`."""
     if count <= 0:
         yield []
         return
-    ports = _free_ports(2 * count, host)
+    ports = _free_ports(2 * count, host, avoid)
     procs, addresses = [], []
     # Local workers get a fresh secret of their own; the executor finds it in the environment.
     token = os.environ.setdefault(TOKEN_ENV, secrets.token_urlsafe(24))

@@ -103,11 +103,15 @@ def test_carried_blocks_equal_mlx_lms_layers(llama_layers, dtype, kernel_backend
     for layer in llama_layers:
         want = layer(want)
     # Four random layers grow the residual to ~70: the kernels' other summation order shows there
-    # at the dtype's tolerance of the largest value (carried or not).
+    # at the dtype's tolerance of the largest value (carried or not). On a GPU float32 products
+    # run as TF32 where MLX's CUDA backend allows it (its MLX_ENABLE_TF32 switch): a last-bit
+    # difference in a product's input can move its TF32 rounding, ~5e-4 relative, and four layers
+    # carry that on (an H200 read 9e-4 of the largest value, where 1e-5 was asked).
     scale = float(mx.abs(want).max())
+    tolerance = dict(rtol=2e-3, atol=2e-3) if dtype == mx.float32 and BACKEND is not None else TOLERANCE[dtype]
     assert got.dtype == want.dtype == dtype
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
-                               rtol=TOLERANCE[dtype]["rtol"], atol=TOLERANCE[dtype]["atol"] * scale)
+                               rtol=tolerance["rtol"], atol=tolerance["atol"] * scale)
     assert len(launches) == 2 * len(blocks) - 1  # the first block's input norm is MLX's: nothing to add before it
 
 

@@ -458,6 +458,7 @@ def test_a_flood_of_200_clients_is_bounded_and_half_hanging_up_frees_their_block
     once: the rest are told to come back (503 + Retry-After), every admitted stream runs to its end
     or to its client's hang-up (the odd ones hang up after 8 chunks), memory stays bounded, and
     the hung-up requests are aborted: the server generates far fewer tokens than were asked for."""
+    import ssl
     import threading
 
     import httpx
@@ -473,14 +474,17 @@ def test_a_flood_of_200_clients_is_bounded_and_half_hanging_up_frees_their_block
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
-    # One client for all: building one per thread (an SSL context each) spreads the requests out.
-    http = httpx.Client(timeout=120, limits=httpx.Limits(max_connections=clients, max_keepalive_connections=0))
+    # A client per thread, made before the barrier and sharing one SSL context (one each spreads
+    # the requests out): one client shared by 200 threads once read from a connection another
+    # thread had closed (httpx.ReadError: Bad file descriptor, a CI run).
+    ssl_context = ssl.create_default_context()
+    https = [httpx.Client(timeout=120, verify=ssl_context) for _ in range(clients)]
 
     def one(i):
         barrier.wait(60)
         body = {"model": "tiny", "prompt": f"client {i}", "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
-        with http.stream("POST", f"{tiny_server}/v1/completions", json=body) as r:
+        with https[i].stream("POST", f"{tiny_server}/v1/completions", json=body) as r:
             if r.status_code != 200:
                 return r.status_code, r.headers.get("retry-after"), r.read().decode()
             chunks = []
@@ -495,7 +499,8 @@ def test_a_flood_of_200_clients_is_bounded_and_half_hanging_up_frees_their_block
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
         answers = list(pool.map(one, range(clients)))
     ended = time.monotonic()
-    http.close()
+    for http in https:
+        http.close()
     freed_s = _wait_kv_free(tiny_server)
     stop.set()
     sampler.join(5)

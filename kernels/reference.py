@@ -101,26 +101,19 @@ def _decode_batch(q, k_pool, v_pool, meta, rows, scale, window, sinks):
     plan = decode_gather(meta, rows, k_pool.shape[1], window)
     q_rows = q if plan.q_rows is None else q[plan.q_rows]
     requests, heads, head_dim = q_rows.shape
-    k, v = _gather_decodes(k_pool, plan, requests), _gather_decodes(v_pool, plan, requests)
+    k, v = _gather(k_pool, plan.blocks, requests, plan.span), _gather(v_pool, plan.blocks, requests, plan.span)
     out = _sdpa(q_rows.reshape(requests, heads, 1, head_dim), k, v, scale, plan.mask, sinks)
     return out.reshape(requests, heads, out.shape[-1])
 
 
-def _gather_decodes(pool, plan: DecodeGather, requests: int):
-    """[requests, kv_heads, tokens, D] of the planned contexts."""
-    _, block_size, kv_heads, head_dim = pool.shape
-    kv = pool[plan.blocks].reshape(requests, plan.width * block_size, kv_heads, head_dim)
-    if plan.span is not None:
-        kv = kv[:, plan.span[0]: plan.span[1]]
+def _gather(pool, blocks, requests: int, span: tuple[int, int] | None = None):
+    """[requests * n] block ids -> [requests, kv_heads, n * block_size, D], packed; `span` keeps
+    those tokens of each request's gathered blocks (sliced before the copy)."""
+    kv_heads, head_dim = pool.shape[2:]
+    kv = pool[blocks].reshape(requests, -1, kv_heads, head_dim)
+    if span is not None:
+        kv = kv[:, span[0]: span[1]]
     # MLX's CPU SDPA is several times slower on a strided (transposed) K/V than on a packed one.
-    return mx.contiguous(kv.transpose(0, 2, 1, 3))
-
-
-def _gather_padded(pool, tables):
-    """[R, n_blocks] block ids -> [R, kv_heads, n_blocks * block_size, D]."""
-    r, n = tables.shape
-    _, block_size, kv_heads, head_dim = pool.shape
-    kv = pool[tables.reshape(-1)].reshape(r, n * block_size, kv_heads, head_dim)
     return mx.contiguous(kv.transpose(0, 2, 1, 3))
 
 
@@ -128,8 +121,8 @@ def _prefill_one(q_r, k_pool, v_pool, meta, r, scale, window, sinks):
     q_len, ctx_len = q_r.shape[0], meta.seq_lens_host[r]
     block_size = k_pool.shape[1]
     blocks = meta.block_tables[r, : -(-ctx_len // block_size)]
-    k = _gather_padded(k_pool, blocks[None])[:, :, :ctx_len]
-    v = _gather_padded(v_pool, blocks[None])[:, :, :ctx_len]
+    k = _gather(k_pool, blocks, 1)[:, :, :ctx_len]
+    v = _gather(v_pool, blocks, 1)[:, :, :ctx_len]
     out = _sdpa(q_r.transpose(1, 0, 2)[None], k, v, scale, _causal_mask(q_len, ctx_len, window), sinks)
     return out[0].transpose(1, 0, 2)
 

@@ -405,16 +405,23 @@ class Driver:
 
     def __init__(self, send, num_blocks: int, max_batched_tokens: int, ahead: bool):
         self.next_id = 0
+        self.send = send
+        self.last_step, self.last_sent = None, 0.0  # the last StepRequest sent and when; each step's round trip
+        self.round_trips: list[float] = []
 
         def step_fn(step):
             # A stage runs step ids strictly in order, and the stand-in's ahead mode skips the ids of
             # the empty steps it does not send: number what is actually sent.
             step.step_id = self.next_id
             self.next_id += 1
+            self.last_step = step
+            self.last_sent = sent = time.perf_counter()
             answer = send(step)
 
             def tokens():
-                return {s.req_id: s.token_id for s in answer().sampled}
+                sampled = answer().sampled
+                self.round_trips.append(time.perf_counter() - sent)
+                return {s.req_id: s.token_id for s in sampled}
 
             return tokens if ahead else tokens()
 
@@ -577,6 +584,10 @@ B1_VARIANTS = {
     "halfway_only": "a step's second half handed to the device right after its first, without waiting for the "
                     "last step's last layer (runner.pace_second_half off, stage_worker/step/runner.py)",
     "four_warps": "decode attention with 4 warps a threadgroup whatever its grid (kernels/gpu.py decode_warps)",
+    "sync": "one step at a time, without async scheduling (what pipeline stages and speculative decoding get; "
+            "serve with METAL_CLUSTER_NO_OVERLAP=1)",
+    "sync_waited_layers": "one step at a time, its layers waited for before the sampling is built (the sync step "
+                          "before runner.sample_while_layers_run)",
 }
 
 
@@ -611,6 +622,10 @@ def variant_stage(stack, variant: str, folder: Path, config: dict, wl: Workload,
     if variant == "halfway_only":
         built, driver = stack.enter_context(our_stage(folder, config, wl, utilization, ahead))
         built["stage"].runner.pace_second_half = False
+        return driver
+    if variant in ("sync", "sync_waited_layers"):
+        built, driver = stack.enter_context(our_stage(folder, config, wl, utilization, ahead=False))
+        built["stage"].runner.sample_while_layers_run = variant == "sync"
         return driver
     if variant == "four_warps":
         built, _ = stack.enter_context(our_stage(folder, config, wl, utilization, ahead))
@@ -651,6 +666,14 @@ def b1_side_by_side(folder: Path, config: dict, wl: Workload, utilization: float
                     line += f", ours {v.replace('_', ' ')} {rounds[-1][f'ours_{v}']:.1f}"
                 print(line, flush=True)
             whole = built["stage"].runner.chain.whole.usable
+            phases = {"ours": built["stage"].phases.medians()}
+            for v, other in others.items():
+                host = getattr(other.send, "__self__", None)
+                if host is not None and hasattr(host, "phases"):
+                    phases[v] = host.phases.medians()
+            for name, parts in phases.items():
+                print(f"  b1 {name} step parts (median ms): " + ", ".join(f"{p} {1000 * x:.2f}" for p, x in parts.items()),
+                      flush=True)
     finally:
         del model
         free()
@@ -666,6 +689,7 @@ def b1_side_by_side(folder: Path, config: dict, wl: Workload, utilization: float
         out[f"ours_{v}"] = side(f"ours_{v}")
         out[f"{v}_ratio_median"] = statistics.median(r[f"ours_{v}"] / r["mlx_lm"] for r in rounds)
     out["whole_step"] = whole
+    out["phases_s"] = phases
     return out
 
 
@@ -701,10 +725,55 @@ def ours_pipeline(folder: Path, config: dict, wl: Workload, measures, utilizatio
             # which one stream of steps from the stand-in does not do.
             driver = Driver(lambda step: pipeline.submit(step).result, out["num_blocks"], wl.max_batched_tokens,
                             ahead=False)
-            out.update(run_measures(driver, config, wl, measures, f"pipeline x{PIPELINE_STAGES}"))
+            if "b1" in measures:
+                out.update(run_measures(driver, config, wl, ["b1"], f"pipeline x{PIPELINE_STAGES}"))
+                out["hop"] = hop_timeline(driver, pipeline.stages, config, wl)
+                print_hop(out["hop"])
+            out.update(run_measures(driver, config, wl, [m for m in measures if m != "b1"],
+                                    f"pipeline x{PIPELINE_STAGES}"))
         finally:
             pipeline.close()
     return out
+
+
+def hop_timeline(driver: "Driver", stages: list, config: dict, wl: Workload, steps: int = 16) -> dict:
+    """Where a batch-1 token's time goes in the pipeline: decode steps one at a time, each followed by
+    the stages' marks of it (Health's step_marks: when the step arrived and when each of its parts
+    ended, on this host's monotonic clock), as offsets from the coordinator's send; the medians over
+    `steps`, with the stages' own medians of each part (step_phases) beside them. `serialize`: one
+    decode StepRequest's encode + decode here."""
+    (req_id,) = driver.add([prompt(wl.decode_prompt, config["vocab_size"], 3)], max_tokens=1 << 20)
+    req = driver.sched.reqs[req_id]
+    while not req.output:
+        driver.step()
+    for _ in range(wl.warm):
+        driver.step()
+    offsets: list[list[dict]] = [[] for _ in stages]
+    trips = []
+    for _ in range(steps):
+        driver.step()
+        sent, trips = driver.last_sent, trips + [driver.round_trips[-1]]
+        for k, s in enumerate(stages):
+            offsets[k].append({part: at - sent for part, at in s.health().step_marks.items()})
+    phases = [dict(s.health().step_phases) for s in stages]
+    driver.finish_all()
+    step = driver.last_step
+    t0 = time.perf_counter()
+    for _ in range(100):
+        pb.StepRequest.FromString(step.SerializeToString())
+    median = lambda rows: {p: statistics.median(r[p] for r in rows if p in r) for p in rows[-1]}  # noqa: E731
+    return dict(round_trip_s=statistics.median(trips), marks_s=[median(rows) for rows in offsets], phases_s=phases,
+                serialize_s=(time.perf_counter() - t0) / 100, step_bytes=step.ByteSize(), steps=steps)
+
+
+def print_hop(hop: dict) -> None:
+    for k, marks in enumerate(hop["marks_s"]):
+        print(f"  hop: stage {k} ends (ms after the send): "
+              + ", ".join(f"{p} {1000 * v:.2f}" for p, v in sorted(marks.items(), key=lambda kv: kv[1])), flush=True)
+        print(f"  hop: stage {k} parts (median ms): "
+              + ", ".join(f"{p} {1000 * v:.2f}" for p, v in hop["phases_s"][k].items()), flush=True)
+    print(f"  hop: round trip {1000 * hop['round_trip_s']:.2f} ms; a StepRequest of {hop['step_bytes']} bytes "
+          f"encoded + decoded in {1e6 * hop['serialize_s']:.0f} us", flush=True)
 
 
 # --- report -----------------------------------------------------------------------------------
@@ -908,6 +977,7 @@ def main():
                 for v in variants:
                     r["b1_side_by_side"].update({v: pair[f"ours_{v}"], f"{v}_ratio_median": pair[f"{v}_ratio_median"]})
                 r["b1_side_by_side"]["whole_step"] = pair["whole_step"]
+                r["b1_side_by_side"]["phases_s"] = pair["phases_s"]
                 r["mlx_lm"], r["ours"] = dict(decode_b1=pair["mlx_lm"]), dict(decode_b1=pair["ours"], **pair["built"])
             except Exception as e:
                 traceback.print_exc()

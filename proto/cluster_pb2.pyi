@@ -312,7 +312,21 @@ class HealthRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., heartbeat: _Optional[bool] = ...) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("version", "state", "node_id", "layer_start", "layer_end", "num_blocks", "num_requests", "resident_bytes", "steps", "ring_port", "host_id", "kv_blocks_used", "host_memory_bytes", "host_memory_available_bytes", "device", "step_seconds", "ring_bytes_sent", "coordinator_silent_s", "kv_dtype", "fetch_bytes_total", "fetch_bytes_done", "fetch_bytes_received", "phase")
+    __slots__ = ("version", "state", "node_id", "layer_start", "layer_end", "num_blocks", "num_requests", "resident_bytes", "steps", "ring_port", "host_id", "kv_blocks_used", "host_memory_bytes", "host_memory_available_bytes", "device", "step_seconds", "ring_bytes_sent", "coordinator_silent_s", "kv_dtype", "fetch_bytes_total", "fetch_bytes_done", "fetch_bytes_received", "phase", "step_phases", "step_marks")
+    class StepPhasesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class StepMarksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -336,6 +350,8 @@ class HealthResponse(_message.Message):
     FETCH_BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
     FETCH_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
+    STEP_PHASES_FIELD_NUMBER: _ClassVar[int]
+    STEP_MARKS_FIELD_NUMBER: _ClassVar[int]
     version: int
     state: str
     node_id: str
@@ -359,7 +375,9 @@ class HealthResponse(_message.Message):
     fetch_bytes_done: int
     fetch_bytes_received: int
     phase: str
-    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., node_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., ring_port: _Optional[int] = ..., host_id: _Optional[str] = ..., kv_blocks_used: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., host_memory_available_bytes: _Optional[int] = ..., device: _Optional[str] = ..., step_seconds: _Optional[float] = ..., ring_bytes_sent: _Optional[int] = ..., coordinator_silent_s: _Optional[float] = ..., kv_dtype: _Optional[str] = ..., fetch_bytes_total: _Optional[int] = ..., fetch_bytes_done: _Optional[int] = ..., fetch_bytes_received: _Optional[int] = ..., phase: _Optional[str] = ...) -> None: ...
+    step_phases: _containers.ScalarMap[str, float]
+    step_marks: _containers.ScalarMap[str, float]
+    def __init__(self, version: _Optional[int] = ..., state: _Optional[str] = ..., node_id: _Optional[str] = ..., layer_start: _Optional[int] = ..., layer_end: _Optional[int] = ..., num_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., resident_bytes: _Optional[int] = ..., steps: _Optional[int] = ..., ring_port: _Optional[int] = ..., host_id: _Optional[str] = ..., kv_blocks_used: _Optional[int] = ..., host_memory_bytes: _Optional[int] = ..., host_memory_available_bytes: _Optional[int] = ..., device: _Optional[str] = ..., step_seconds: _Optional[float] = ..., ring_bytes_sent: _Optional[int] = ..., coordinator_silent_s: _Optional[float] = ..., kv_dtype: _Optional[str] = ..., fetch_bytes_total: _Optional[int] = ..., fetch_bytes_done: _Optional[int] = ..., fetch_bytes_received: _Optional[int] = ..., phase: _Optional[str] = ..., step_phases: _Optional[_Mapping[str, float]] = ..., step_marks: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ShutdownRequest(_message.Message):
     __slots__ = ("version",)

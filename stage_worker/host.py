@@ -25,6 +25,7 @@ from metal_cluster.stage_worker.transfer.fetch import FetchProgress, fetch_stage
 from metal_cluster.stage_worker.kv.kv_layout import KVLayout
 from metal_cluster.stage_worker.model.model_source import resolve_model
 from metal_cluster.stage_worker.kv.paged_kv import KVPool, bytes_per_block
+from metal_cluster.stage_worker.step.phases import StepPhases, Stopwatch
 from metal_cluster.stage_worker.step.request_table import StepError
 from metal_cluster.stage_worker.net.ring import JOINING_RING, Ring
 from metal_cluster.stage_worker.step.runner import StageOutput, StageRunner, to_response
@@ -66,6 +67,7 @@ class StageHost:
         self.block_size = 0
         self.steps = 0
         self.last_step_s = 0.0
+        self.phases = StepPhases()  # the parts of the last steps (Health)
         self.lock = threading.Lock()  # one MLX user at a time
         # Steps run strictly in step_id order: ring messages between stages match only that way.
         self.turn = threading.Condition()
@@ -206,6 +208,8 @@ class StageHost:
             fetch_bytes_done=self.fetch.done,
             fetch_bytes_received=self.fetch.received,
             phase=self.phase,
+            step_phases=self.phases.medians(),
+            step_marks=self.phases.last_marks,
         )
 
     # --- LoRA adapters ---------------------------------------------------------------------------
@@ -227,7 +231,8 @@ class StageHost:
     def step(self, req: pb.StepRequest, wait_s: float = 60.0) -> pb.StepResponse:
         """Run one step and answer it, before the next step may start (the gRPC path)."""
         started = time.perf_counter()
-        return self._in_turn(req, wait_s, lambda: self._answer(self._launch(req), started))
+        clock = self.phases.stopwatch()
+        return self._in_turn(req, wait_s, lambda: self._answer(self._launch(req, clock), started, clock), clock)
 
     def launch(self, req: pb.StepRequest, wait_s: float = 60.0) -> Callable[[], pb.StepResponse]:
         """Queue one step's work on the device; the function returned waits for it and answers.
@@ -235,10 +240,16 @@ class StageHost:
         Between the two the caller may launch the next step (the in-process stage under vLLM's
         async scheduling), so the device never waits for the host to build it."""
         started = time.perf_counter()
-        out = self._in_turn(req, wait_s, lambda: self._launch(req))
-        return lambda: self._answer(out, started)
+        clock = self.phases.stopwatch()
+        out = self._in_turn(req, wait_s, lambda: self._launch(req, clock), clock)
 
-    def _in_turn(self, req: pb.StepRequest, wait_s: float, run):
+        def answer():
+            clock.restart()  # the time between is the caller's (the next step's launch)
+            return self._answer(out, started, clock)
+
+        return answer
+
+    def _in_turn(self, req: pb.StepRequest, wait_s: float, run, clock: Stopwatch):
         """`run()` once every earlier step has had its turn: ring messages between stages match
         only in step order."""
         check_version(req.version)
@@ -250,28 +261,56 @@ class StageHost:
                 raise StepError(f"step {req.step_id} waited {wait_s:.0f}s for step {self.next_step}, which never came")
             if req.step_id < self.next_step:
                 raise StepError(f"step {req.step_id} already ran (the next step is {self.next_step})")
+            clock.mark("queue")
             try:
                 return run()
             finally:
                 self.next_step += 1
                 self.turn.notify_all()
 
-    def _launch(self, req: pb.StepRequest) -> StageOutput:
+    def _launch(self, req: pb.StepRequest, clock: Stopwatch) -> StageOutput:
         with self.lock:
             batch = self.runner.prepare(req)
-            hidden_in = None
+            clock.mark("prepare")
+            hidden_in = received = ready = None
             if batch.req_ids and not self.shard.is_first:
-                hidden_in = self.ring.recv_prev(int(batch.token_ids.shape[0]), self.hidden_size).astype(self.dtype)
-            out = self.runner.run(req, batch, hidden_in)
+                # The step's graph is built on the receive before it is done, while the previous
+                # stage still computes; the receive is waited for on the host before any of the
+                # step goes to the device, so no device work ever waits on the ring (on one GPU
+                # shared by two stages, a waiting kernel would take time slices from the other).
+                received = self.ring.recv_prev(int(batch.token_ids.shape[0]), self.hidden_size, wait=False)
+                hidden_in = received.astype(self.dtype)
+
+                def ready():
+                    clock.mark("build")
+                    mx.eval(received)
+                    clock.mark("recv")
+            try:
+                out = self.runner.run(req, batch, hidden_in, ready)
+            finally:
+                if received is not None:
+                    # Done before anything else happens (the graph may have failed to build): a
+                    # receive still pending in MLX's threads can take the process down with it
+                    # when it re-executes itself for a new plan, and the ring's order depends on it.
+                    mx.eval(received)
+            if self.runner.handed_at is not None and "build" not in clock.marks:
+                clock.mark("build", self.runner.handed_at)  # the step's graph, up to its hand-over to MLX
+            self.runner.handed_at = None
+            clock.mark("device")  # the wait for it (0 where the step is only queued)
             if out.hidden is not None:
                 self.ring.send_next(out.hidden)
+                clock.mark("send")
             return out
 
-    def _answer(self, out: StageOutput, started: float) -> pb.StepResponse:
+    def _answer(self, out: StageOutput, started: float, clock: Stopwatch) -> pb.StepResponse:
         with self.lock:
-            response = to_response(out.resolve())
+            out.resolve()
+            clock.mark("resolve")  # the sampled tokens read back
+            response = to_response(out)
+            clock.mark("answer")
             self.steps += 1
             self.last_step_s = time.perf_counter() - started
+            self.phases.add("step", self.last_step_s)
             return response
 
     # --- helpers ---------------------------------------------------------------------------------

@@ -62,9 +62,12 @@ class Ring:
         mx.eval(mx.distributed.send(hidden, self.rank + 1, group=self.group))
         self.bytes_sent += hidden.nbytes
 
-    def recv_prev(self, num_tokens: int, hidden_size: int) -> mx.array:
-        # Received before the step goes on: a receive still pending in MLX's threads when the
-        # process re-executes itself for a new plan can take the process down with it.
+    def recv_prev(self, num_tokens: int, hidden_size: int, wait: bool = True) -> mx.array:
+        """The previous stage's hidden states. `wait=False` returns the receive not yet done: the
+        caller must evaluate it before it does anything else that could outlive the step (a
+        receive still pending in MLX's threads when the process re-executes itself for a new plan
+        can take the process down with it)."""
         hidden = mx.distributed.recv((num_tokens, hidden_size), self.wire_dtype, self.rank - 1, group=self.group)
-        mx.eval(hidden)
+        if wait:
+            mx.eval(hidden)
         return hidden

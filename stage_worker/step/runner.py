@@ -7,6 +7,8 @@ host can build step n+1 while the device still runs step n; only token ids ever 
 """
 
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -85,6 +87,8 @@ class StageRunner:
         self.pace_submits = True  # see `_submit`; off only to measure what it saves
         self.pace_second_half = True  # see `_submit`; off only to measure what it saves
         self._marks: list[mx.array] = []  # the last step's middle and last KV writes (`_submit`)
+        self.handed_at: float | None = None  # when the last step's work went to MLX (the host's phases)
+        self.sample_while_layers_run = True  # see `_run`; off only to measure what it saves
 
     def step(self, step: pb.StepRequest, hidden_in: mx.array | None = None) -> StageOutput:
         """prepare + run, waited for."""
@@ -113,30 +117,42 @@ class StageRunner:
         per_request = [slots.get(i, 0) for i in lora_ids]
         return np.repeat(np.array(per_request, dtype=np.int64), batch.num_tokens)
 
-    def run(self, step: pb.StepRequest, batch: StepBatch, hidden_in: mx.array | None = None) -> StageOutput:
+    def run(self, step: pb.StepRequest, batch: StepBatch, hidden_in: mx.array | None = None,
+            inputs_ready: Callable[[], None] | None = None) -> StageOutput:
         """Run the step's work. A stage that keeps its tokens only queues it: `StageOutput.resolve`
         waits for the tokens; every other stage has finished it when this returns. With a draft
         model or MTP layers the step ends with their drafts, made from the tokens chosen (so waited
-        for; MTP layers also read the layers' output)."""
-        out = self._run(step, batch, hidden_in)
+        for; MTP layers also read the layers' output). `inputs_ready`, where given, is called once
+        the layers' graph is built and before any of it goes to the device: `hidden_in` may be a
+        receive not yet done, which it waits for."""
+        out = self._run(step, batch, hidden_in, inputs_ready)
         if self.draft is not None and batch.req_ids:
             out.resolve()
             gained = {r: [a.token_id for a in out.accepted.get(r, ())] + [s.token_id] for r, s in out.sampled.items()}
             out.spec_drafts = self.draft.follow(self.table, step, gained, batch, out.last_hidden, compiles=COMPILE)
         return out
 
-    def _run(self, step: pb.StepRequest, batch: StepBatch, hidden_in: mx.array | None = None) -> StageOutput:
+    def _run(self, step: pb.StepRequest, batch: StepBatch, hidden_in: mx.array | None = None,
+             inputs_ready: Callable[[], None] | None = None) -> StageOutput:
         out = StageOutput(step_id=step.step_id)
         if not batch.req_ids:
             return out
         self.blas.for_step(batch.token_ids.shape[0])
         hidden = self._forward(batch, hidden_in)
+        if inputs_ready is not None:
+            inputs_ready()
         for req_id, n in zip(batch.req_ids, batch.num_tokens):
             self.table.advance(req_id, n)
         if not step.stage_keeps_tokens:
             # A stage in a pipeline finishes its step's work before it answers: work still queued
             # in MLX's threads when the process re-executes itself for a new plan can take it down.
-            mx.eval(hidden, self.pool.arrays)
+            # The last stage hands the layers over and builds its sampling while the device runs
+            # them; the tokens it reads back wait for all of it.
+            self.handed_at = time.perf_counter()
+            if self.shard.is_last and self.sample_while_layers_run:
+                mx.async_eval(hidden, self.pool.arrays)
+            else:
+                mx.eval(hidden, self.pool.arrays)
         if not self.shard.is_last:
             out.hidden = hidden
             return out
@@ -146,7 +162,10 @@ class StageRunner:
         if any(self.table[r].pooling for r in batch.sample_req_ids):
             out.pooled = self._pool(batch, hidden)
         if not batch.sample_req_ids:
-            self._submit(hidden)  # a prompt chunk that samples nothing still writes its KV
+            if step.stage_keeps_tokens:
+                self._submit(hidden)  # a prompt chunk that samples nothing still writes its KV
+            else:
+                mx.eval(hidden, self.pool.arrays)
             return out
         every_row = len(batch.sample_req_ids) == len(batch.req_ids) == hidden.shape[0]  # a decode step, no drafts
         logits = self.shard.logits(hidden if every_row else hidden[batch.logits_rows])
@@ -162,6 +181,7 @@ class StageRunner:
             out.on_device = on_device = DeviceTokens(batch.sample_req_ids, chosen.tokens, [])
             if not step.stage_keeps_tokens:
                 return out.resolve()
+            self.handed_at = time.perf_counter()
             self._submit(chosen.tokens)
             for row, req_id in enumerate(batch.sample_req_ids):
                 on_device.slots.append(self._keep(self.table[req_id], PENDING, (on_device, row)))

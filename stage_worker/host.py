@@ -41,6 +41,9 @@ SCORE_ARRAYS = 8
 # own profile run does (a fit from small prefills read 77 GiB for 8192 tokens of Qwen3-8B on CUDA).
 WARM_UP_TOKENS = 256
 GPU_WARM_UP_TOKENS = 16384
+# A pipeline stage builds its step's graph on the previous stage's hidden states before they
+# arrive (`_launch`); 0 waits for them first, as before (the benches' A/B switch).
+BUILD_AHEAD_OF_RECV = os.environ.get("METAL_CLUSTER_BUILD_AHEAD_OF_RECV", "1") != "0"
 
 
 class StageStateError(RuntimeError):
@@ -278,7 +281,8 @@ class StageHost:
                 # stage still computes; the receive is waited for on the host before any of the
                 # step goes to the device, so no device work ever waits on the ring (on one GPU
                 # shared by two stages, a waiting kernel would take time slices from the other).
-                received = self.ring.recv_prev(int(batch.token_ids.shape[0]), self.hidden_size, wait=False)
+                received = self.ring.recv_prev(int(batch.token_ids.shape[0]), self.hidden_size,
+                                               wait=not BUILD_AHEAD_OF_RECV)
                 hidden_in = received.astype(self.dtype)
 
                 def ready():

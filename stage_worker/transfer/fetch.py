@@ -216,7 +216,7 @@ class _Fetch:
         self._get_tensors(wanted, f"layers [{start}, {end})")
         small = {f.path: self.blobs.path(f.sha256) for f in self.manifest.files if f.format == "other"}
         name = f"{self.manifest.sha256[:16]}-{start}-{end}{'-mtp' if mtp else ''}"
-        folder = stage_folder.write(self.models / name, small, wanted, self.tensors)
+        folder = stage_folder.write(self.models / name, small, wanted, self.tensors, self.manifest.name, (start, end))
         return Fetched(folder, kept, self.received, self.seconds)
 
     def plan(self, start: int, end: int, mtp: bool = False) -> tuple[list[Wanted], set[str]]:
@@ -249,7 +249,9 @@ class _Fetch:
         need = sum(p.length for _, ps in missing.values() for p in ps)
         if not need:
             return
-        self._check_disk(need)
+        # Before the tensors are picked: this model's are all kept while the small files come.
+        weights = [f for f in self.manifest.files if f.format != "other"]
+        self.make_room(need, {w.key for w in wanted_tensors(weights, {t.name for f in weights for t in f.tensors})})
         log.info("fetching %d bytes of %s for %s from %s", need, self.manifest.name, what, self.client.address)
         began = time.monotonic()
         for entry, pieces in missing.values():
@@ -279,6 +281,7 @@ class _Fetch:
             if not missing:
                 log.info("%s of %s: all %d bytes already in the cache", what, self.manifest.name, cached)
                 self.tensors.touch(w.key for w in wanted)
+                self._within_limit(0, {w.key for w in wanted}, refuse=False)  # fewer layers: the rest may go
                 return
             self.make_room(need, {w.key for w in wanted})
             log.info("fetching %d bytes of %s for %s from %s (%d bytes already in the cache)",
@@ -358,7 +361,7 @@ class _Fetch:
         self._within_limit(need, keep)
         self._check_disk(need)
 
-    def _within_limit(self, need: int, keep: set[str]) -> None:
+    def _within_limit(self, need: int, keep: set[str], refuse: bool = True) -> None:
         if not self.cache_limit:
             return
         mine = {f.sha256 for f in self.manifest.files if f.format == "other"}
@@ -370,7 +373,7 @@ class _Fetch:
             log.info("cache limit %.2f GiB: removed %d cached tensor(s) (%s) no stage here needs now",
                      self.cache_limit / 2**30, removed, _size(freed))
         held = self.tensors.disk_bytes() + self.blobs.total_bytes()
-        if held + need > self.cache_limit:
+        if refuse and held + need > self.cache_limit:
             raise NoRoomError(f"this stage needs {_size(held + need)} in the cache, over the worker's "
                               f"--cache-limit of {_size(self.cache_limit)}: raise it")
 

@@ -16,9 +16,11 @@ from pathlib import Path
 from metal_cluster.stage_worker.transfer.tensor_cache import TensorStore, Wanted
 
 GGUF_TENSORS = "gguf_tensors.json"
+STAGE = "stage.json"  # what `metal-cluster cache` lists: the model, the layers, the tensors' cache files
 
 
-def write(folder: Path, files: dict[str, Path], wanted: list[Wanted], tensors: TensorStore) -> Path:
+def write(folder: Path, files: dict[str, Path], wanted: list[Wanted], tensors: TensorStore,
+          model: str = "", layers: tuple[int, int] = (0, 0)) -> Path:
     """The stage's folder: `files` (name in the folder -> cached file) and the wanted tensors."""
     tmp = folder.with_name(f".{folder.name}.{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -35,6 +37,9 @@ def write(folder: Path, files: dict[str, Path], wanted: list[Wanted], tensors: T
                                    "shape": list(w.tensor.shape)}
     if gguf:
         (tmp / GGUF_TENSORS).write_text(json.dumps({"tensors": gguf}, indent=1))
+    (tmp / STAGE).write_text(json.dumps({"model": model, "layers": list(layers),
+                                         "files": sorted(p.name for p in files.values()),
+                                         "tensors": [w.key for w in wanted]}))
     old = folder.with_name(f".{folder.name}.old.{os.getpid()}")
     if folder.exists():
         os.rename(folder, old)

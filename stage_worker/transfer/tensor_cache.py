@@ -146,19 +146,20 @@ class TensorStore:
                 os.utime(self.path(key), (now, now))
 
     def entries(self) -> list[tuple[str, int, float]]:
-        """(key, bytes on disk, last used) of every complete tensor file."""
+        """(key, bytes, last used) of every complete tensor file (it has no holes: its size is what
+        it takes, but for the disk's rounding up to a block)."""
         out = []
         with contextlib.suppress(FileNotFoundError):
             for p in self.root.iterdir():
                 if not p.name.startswith(".") and not p.name.endswith(PART):
                     with contextlib.suppress(FileNotFoundError):
                         st = p.stat()
-                        out.append((p.name, st.st_blocks * 512, st.st_mtime))
+                        out.append((p.name, st.st_size, st.st_mtime))
         return out
 
     def disk_bytes(self) -> int:
         return sum(n for _, n, _ in self.entries()) + sum(
-            p.stat().st_blocks * 512 for p in self.root.glob(f"*{PART}")) if self.root.exists() else 0
+            p.stat().st_size for p in self.root.glob(f"*{PART}")) if self.root.exists() else 0
 
     def evict(self, limit: int, keep: set[str]) -> tuple[int, int]:
         """Remove tensor files not in `keep`, least recently used first, until the tensors take at

@@ -105,12 +105,15 @@ class BlobStore:
         for sha in sorted((b for b in blobs if b not in keep), key=self._last_used):
             if used <= limit:
                 break
-            with self.locked(sha):
-                used -= self.disk_bytes(sha)
-                for suffix in ("", ".pieces", ".used"):
-                    (self.root / f"{sha}{suffix}").unlink(missing_ok=True)
+            used -= self.disk_bytes(sha)
+            self.remove(sha)
             removed.append(sha)
         return removed
+
+    def remove(self, sha: str) -> None:
+        with self.locked(sha):
+            for suffix in ("", ".pieces", ".used"):
+                (self.root / f"{sha}{suffix}").unlink(missing_ok=True)
 
     def _last_used(self, sha: str) -> float:
         try:

@@ -255,6 +255,8 @@ class _Fetch:
         log.info("fetching %d bytes of %s for %s from %s", need, self.manifest.name, what, self.client.address)
         began = time.monotonic()
         for entry, pieces in missing.values():
+            if not pieces:
+                continue
             with self.blobs.locked(entry.sha256):
                 fd = self.blobs.open_for_write(entry)
                 try:

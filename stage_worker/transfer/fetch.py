@@ -264,7 +264,9 @@ class _Fetch:
                                                 self._blob_done(entry, p)) for p in pieces])
                 finally:
                     os.close(fd)
-        self.seconds += time.monotonic() - began
+        took = max(time.monotonic() - began, 1e-6)
+        self.seconds += took
+        log.info("fetched %d bytes for %s in %.2fs (%.1f MB/s)", need, what, took, need / took / 1e6)
 
     def _blob_done(self, entry: pb.ModelFile, piece: pb.Piece) -> Callable[[str], None]:
         def done(digest: str) -> None:

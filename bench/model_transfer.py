@@ -172,7 +172,10 @@ def first_up(args) -> dict:
                 up.wait(30)
         return out
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep:
+            print(f"kept {work}", flush=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def main():
@@ -182,6 +185,7 @@ def main():
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--first-up", action="store_true", help="two `up`s over two fetching workers")
     parser.add_argument("--json", help="write the --first-up figures here")
+    parser.add_argument("--keep", action="store_true", help="keep the --first-up folder (logs, caches)")
     args = parser.parse_args()
     if args.first_up:
         figures = first_up(args)

@@ -18,6 +18,10 @@ Reports, per worker, the bytes it fetched, the bytes its cache holds, and its st
 checkpoint; the seconds until `up` serves; and the same for a second `up` (nothing to fetch).
 Run: `.venv/bin/python bench/model_transfer.py --first-up --layers 12 --hidden 2048`; `--json PATH`
 writes the figures.
+
+`--gguf-stages`: each stage of a 3-stage plan of the embedded SmolLM2 Q4_1 GGUF fetched into an
+empty cache of its own (in-process, loopback), and what each cache then holds: its files' bytes,
+their blocks on disk, and what a size count that follows links sees (`du -L --apparent-size`).
 """
 
 import argparse
@@ -178,17 +182,47 @@ def first_up(args) -> dict:
             shutil.rmtree(work, ignore_errors=True)
 
 
+def gguf_stage_caches() -> dict:
+    work = Path(tempfile.mkdtemp(prefix="mc-bench-gguf-stages-"))
+    os.environ["METAL_CLUSTER_CACHE"] = str(work / "coordinator")
+    from metal_cluster.coordinator.cluster import model_store
+    from metal_cluster.stage_worker.model.model_source import resolve_model
+    from metal_cluster.stage_worker.transfer.fetch import fetch_stage
+
+    def sizes(root: Path) -> dict:
+        files = [p for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
+        return {"apparent": sum(p.stat().st_size for p in files), "disk": sum(p.stat().st_blocks * 512 for p in files),
+                "apparent_links_followed": sum(p.stat().st_size for p in root.rglob("*") if p.is_file())}
+
+    try:
+        source = resolve_model(None)
+        store = model_store.start(source, "smollm2", "127.0.0.1", "bench-token")
+        n = source.config["num_hidden_layers"]
+        rows = []
+        try:
+            for a, b in ((0, n // 3), (n // 3, 2 * n // 3), (2 * n // 3, n)):
+                got = fetch_stage(store.address, store.manifest.sha256, a, b, "bench-token", root=work / f"w{a}")
+                rows.append({"layers": [a, b], "fetched": got.received, **sizes(work / f"w{a}")})
+                print(f"layers [{a}, {b}): {rows[-1]}", flush=True)
+        finally:
+            store.stop()
+        return {"gguf_bytes": source.gguf.stat().st_size, "stages": rows}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--first-up", action="store_true", help="two `up`s over two fetching workers")
-    parser.add_argument("--json", help="write the --first-up figures here")
+    parser.add_argument("--json", help="write the --first-up or --gguf-stages figures here")
     parser.add_argument("--keep", action="store_true", help="keep the --first-up folder (logs, caches)")
+    parser.add_argument("--gguf-stages", action="store_true", help="the caches of a 3-stage SmolLM2 GGUF plan")
     args = parser.parse_args()
-    if args.first_up:
-        figures = first_up(args)
+    if args.first_up or args.gguf_stages:
+        figures = first_up(args) if args.first_up else gguf_stage_caches()
         if args.json:
             Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
         return

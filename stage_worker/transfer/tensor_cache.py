@@ -81,8 +81,8 @@ class TensorStore:
         path = self.path(w.key)
         if not path.exists():
             return False
-        if _hash_file(path, len(w.prefix), w.piece.length) == w.piece.blake3 and path.stat().st_size == len(
-                w.prefix) + w.piece.length:
+        whole = path.stat().st_size == len(w.prefix) + w.piece.length and _starts_with(path, w.prefix)
+        if whole and _hash_file(path, len(w.prefix), w.piece.length) == w.piece.blake3:
             return True
         log.warning("cached tensor %s of %s failed its hash (corrupted or truncated on disk): fetching it again",
                     w.tensor.name, w.file.path)
@@ -96,10 +96,8 @@ class TensorStore:
             size = part.stat().st_size - len(w.prefix)
         except FileNotFoundError:
             return 0
-        if 0 <= size <= w.piece.length:
-            with open(part, "rb") as f:
-                if f.read(len(w.prefix)) == w.prefix:
-                    return size
+        if 0 <= size <= w.piece.length and _starts_with(part, w.prefix):
+            return size
         part.unlink(missing_ok=True)  # longer than the tensor, or not its header: start again
         return 0
 
@@ -179,6 +177,12 @@ class TensorStore:
             removed += 1
             freed += n
         return removed, freed
+
+
+def _starts_with(path: Path, prefix: bytes) -> bool:
+    """Whether the file begins with its tensor's header (the hash covers only the tensor's bytes)."""
+    with open(path, "rb") as f:
+        return f.read(len(prefix)) == prefix
 
 
 def _feed(h, f, length: int) -> bool:

@@ -232,6 +232,41 @@ def test_a_cut_off_transfer_resumes_without_sending_again_what_arrived(model, tm
     assert not list((cache / "tensors").glob("*.part"))
 
 
+def test_a_link_that_breaks_mid_tensor_is_resumed_by_the_same_fetch(store, model, tmp_path, monkeypatch, caplog):
+    """The weights connection drops in the middle of a tensor (the store itself stays): the fetch
+    tries again and asks only for the bytes that had not come."""
+    import socket
+
+    from metal_cluster.stage_worker.transfer import bulk
+    from metal_cluster.stage_worker.transfer import fetch as fetch_module
+
+    monkeypatch.setattr(fetch_module, "RETRY_SECONDS", (0.1,))
+    monkeypatch.setattr(bulk, "SPLICE_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(bulk, "CHUNK_BYTES", 4096)
+    weights = next(f for f in store.manifest.files if f.format == "safetensors")
+    big = max(weights.tensors, key=lambda t: t.length)
+    conns, connect = [], bulk.connect
+    monkeypatch.setattr(bulk, "connect", lambda *a: conns.append(connect(*a)) or conns[-1])
+
+    class Drop(FetchProgress):
+        def __setattr__(self, name, value):
+            super().__setattr__(name, value)
+            if name == "received" and value >= small_files_bytes(model) + big.offset - weights.tensors[0].offset + \
+                    big.length // 2 and not getattr(self, "dropped", False):
+                super().__setattr__("dropped", True)
+                conns[-1].shutdown(socket.SHUT_RDWR)  # the worker's end: what the buffers held is lost
+
+    cache = tmp_path / "worker-cache"
+    with caplog.at_level(logging.WARNING, logger="metal_cluster.worker"):
+        got = fetch(store, cache, 0, 4, progress=Drop())
+    assert "trying again" in caplog.text
+    total = tensor_bytes(model, 0, 4) + small_files_bytes(model)
+    assert total - 4096 <= got.received <= total  # nothing sent twice (a last chunk may land uncounted)
+    data = (model / "model.safetensors").read_bytes()
+    for t in weights.tensors:
+        assert tensor_file(cache, t.name).read_bytes().endswith(data[t.offset:t.offset + t.length])
+
+
 def test_refusals(store, model, tmp_path):
     cache = tmp_path / "worker-cache"
     with pytest.raises(ModelLoadError, match="not from this cluster's token"):  # the TLS handshake refuses it

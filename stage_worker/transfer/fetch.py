@@ -151,17 +151,17 @@ class _Client:
                 yield from self._streamed(req, parts)
                 return
         except grpc.RpcError as e:
-            raise ModelLoadError(f"fetching {path} from {self.address} failed: {e.details() or e.code().name}") from None
+            raise _rpc_failed(e, f"fetching {path} from {self.address} failed") from None
         try:
             yield from bulk.receive_into(conn, [(p.fd, p.dst, p.length) for p in parts], self.buffers)
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 raise NoRoomError(DISK_FULL) from None
-            raise ModelLoadError(f"fetching {path} from {self.address} (weights port {self.bulk_port}) "
-                                 f"failed: {e}") from None
+            raise LinkBroken(f"fetching {path} from {self.address} (weights port {self.bulk_port}) "
+                             f"failed: {e}") from None
         except EOFError as e:
-            raise ModelLoadError(f"fetching {path} from {self.address} (weights port {self.bulk_port}) "
-                                 f"failed: {e}") from None
+            raise LinkBroken(f"fetching {path} from {self.address} (weights port {self.bulk_port}) "
+                             f"failed: {e}") from None
 
     def _streamed(self, req: pb.ReadRequest, parts: list[_Part]):
         """Read over TLS: each chunk is checked to be the next bytes asked for before it is written."""
@@ -177,7 +177,7 @@ class _Client:
                 if at == part.length:
                     part, at = next(ranges, None), 0
         except grpc.RpcError as e:
-            raise ModelLoadError(f"fetching {req.path} from {self.address} failed: {e.details() or e.code().name}") from None
+            raise _rpc_failed(e, f"fetching {req.path} from {self.address} failed") from None
 
     def _bulk_connection(self, req: pb.ReadRequest):
         """A connection to the store's weights port holding a ticket for `req`; None to use Read
@@ -197,6 +197,20 @@ class _Client:
 
 def _nothing() -> None:
     pass
+
+
+class LinkBroken(ModelLoadError):
+    """The link to the model store broke part way: what arrived stays, and another try resumes there."""
+
+
+# A link that drops (the store's host restarting, Wi-Fi roaming) answers one of these.
+_TRANSIENT = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+RETRY_SECONDS = (1.0, 2.0, 4.0)  # the waits before each new try of a broken transfer
+
+
+def _rpc_failed(e: grpc.RpcError, what: str) -> ModelLoadError:
+    why = f"{what}: {e.details() or e.code().name}"
+    return LinkBroken(why) if e.code() in _TRANSIENT else ModelLoadError(why)
 
 
 class _Fetch:
@@ -296,11 +310,25 @@ class _Fetch:
                 by_file.setdefault(w.file.path, []).append((w, have))
             for group in by_file.values():
                 for batch in _batches(group):
-                    self._read_tensors(batch)
+                    self._read_tensors_retried(batch)
             took = max(time.monotonic() - began, 1e-6)
             self.seconds += took
             self.tensors.touch(w.key for w in wanted)
         log.info("fetched %d bytes for %s in %.2fs (%.1f MB/s)", need, what, took, need / took / 1e6)
+
+    def _read_tensors_retried(self, batch: list[tuple[Wanted, int]]) -> None:
+        """A batch of tensors; when the link breaks, again a few times, from the byte it broke at."""
+        for wait in (*RETRY_SECONDS, None):
+            try:
+                return self._read_tensors(batch)
+            except LinkBroken as e:
+                if wait is None:
+                    raise
+                log.warning("%s: trying again in %.0f s, from where it broke", e, wait)
+                time.sleep(wait)
+                batch = [(w, self.tensors.arrived(w)) for w, _ in batch if not self.tensors.ready(w)]
+                if not batch:
+                    return
 
     def _read_tensors(self, batch: list[tuple[Wanted, int]]) -> None:
         entry, fds, parts = batch[0][0].file, [], []

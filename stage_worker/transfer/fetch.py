@@ -4,8 +4,8 @@ give back a model folder that loads like a local one.
 The stage needs the small files (config, tokenizer) whole, and of the weight files only the tensors
 of its layers (plus the embedding and head where it holds them), each kept as the checkpoint
 stores it (`tensor_cache.py`). Tensors already in the cache, and matching their hash, are not
-fetched again; a transfer cut off part way leaves what arrived, to the byte, so the next one
-fetches only the rest.
+fetched again; a transfer cut off part way leaves what arrived, to the byte, and is tried again
+from there (a few times, then by the next fetch).
 """
 
 import contextlib

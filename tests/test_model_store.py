@@ -56,6 +56,12 @@ def tensor_bytes(model, start, end, num_layers=4, tied=False):
                if name != "__metadata__" and manifests.stage_keeps(name, start, end, num_layers, tied))
 
 
+def assert_same_parameters(mine, full):
+    """A fetched stage holds the very parameters of the same stage loaded from the full folder."""
+    pairs = list(zip(tree_flatten(mine.model.parameters()), tree_flatten(full.model.parameters())))
+    assert pairs and all(n1 == n2 and mx.array_equal(a, b) for (n1, a), (n2, b) in pairs)
+
+
 def small_files_bytes(model):
     return sum(p.stat().st_size for p in model.iterdir() if p.suffix != ".safetensors")
 
@@ -109,8 +115,7 @@ def test_a_stage_fetches_only_its_layers_and_loads_like_the_full_folder(store, m
     assert share < 0.75 * total and disk_bytes(cache) <= share + 0.1 * total
     mine = load_shard(resolve_model(first.folder), 0, 2, first.tensors)
     full = load_shard(resolve_model(model), 0, 2)
-    for (n1, a), (n2, b) in zip(tree_flatten(mine.model.parameters()), tree_flatten(full.model.parameters())):
-        assert n1 == n2 and mx.array_equal(a, b)
+    assert_same_parameters(mine, full)
 
     again = fetch(store, cache, 0, 2)  # everything is in the cache: nothing travels
     assert again.received == 0
@@ -119,8 +124,7 @@ def test_a_stage_fetches_only_its_layers_and_loads_like_the_full_folder(store, m
     shard = load_shard(resolve_model(last.folder), 1, 4, last.tensors)
     assert shard.is_last and "lm_head" in shard.model
     full = load_shard(resolve_model(model), 1, 4)
-    for (n1, a), (n2, b) in zip(tree_flatten(shard.model.parameters()), tree_flatten(full.model.parameters())):
-        assert n1 == n2 and mx.array_equal(a, b)
+    assert_same_parameters(shard, full)
 
 
 def test_fewer_layers_leave_the_rest_to_the_cache_limit_and_cache_lists_and_prunes(store, model, tmp_path):
@@ -176,8 +180,7 @@ def test_a_corrupted_or_truncated_tensor_is_fetched_again_never_loaded(store, mo
         assert tensor_file(cache, t.name).read_bytes().endswith(data[t.offset:t.offset + t.length])
     mine = load_shard(resolve_model(again.folder), 0, 4, again.tensors)
     full = load_shard(resolve_model(model), 0, 4)
-    for (n1, a), (n2, b) in zip(tree_flatten(mine.model.parameters()), tree_flatten(full.model.parameters())):
-        assert n1 == n2 and mx.array_equal(a, b)
+    assert_same_parameters(mine, full)
 
 
 class CutOff(FetchProgress):
@@ -341,8 +344,7 @@ def test_a_gguf_stage_fetches_its_tensors_only(tmp_path):
             assert open(cached, "rb").read() == data[t.offset:t.offset + t.length]
     shard = load_shard(resolve_model(got.folder), 10, 20, got.tensors)
     full = load_shard(source, 10, 20)
-    for (n1, a), (n2, b) in zip(tree_flatten(shard.model.parameters()), tree_flatten(full.model.parameters())):
-        assert n1 == n2 and mx.array_equal(a, b)
+    assert_same_parameters(shard, full)
 
 
 def test_progress_lines_and_status_cell():
@@ -415,8 +417,7 @@ def test_a_fetched_stage_of_a_family_that_renames_its_tensors_loads(family, star
         assert not [n for n in got.tensors if n.startswith(("mtp.", "model.visual."))], got.tensors
     mine = load_shard(resolve_model(got.folder), start, end, got.tensors)
     full = load_shard(resolve_model(folder), start, end)
-    for (n1, a), (n2, b) in zip(tree_flatten(mine.model.parameters()), tree_flatten(full.model.parameters())):
-        assert n1 == n2 and mx.array_equal(a, b)
+    assert_same_parameters(mine, full)
     if family != "qwen3_5":  # dense: its parameters were renamed only out of model.language_model
         assert any(".switch_mlp." in n or "embed_q" in n for n, _ in tree_flatten(mine.model.parameters()))
 
@@ -436,8 +437,7 @@ def test_a_classifiers_last_stage_fetches_its_score_head_not_the_embedding(tmp_p
     mine = load_shard(resolve_model(got.folder), 2, 4, got.tensors)
     full = load_shard(resolve_model(folder), 2, 4)
     assert mine.classifies and "embed_tokens" not in mine.model.model
-    for (n1, a), (n2, b) in zip(tree_flatten(mine.model.parameters()), tree_flatten(full.model.parameters())):
-        assert n1 == n2 and mx.array_equal(a, b)
+    assert_same_parameters(mine, full)
 
 
 def test_weights_come_over_the_bulk_port_and_over_tls_only_when_asked(store, model, tmp_path, caplog, monkeypatch):

@@ -10,6 +10,18 @@ certificates (Python's ssl, what TLS alone costs). Beside each rate, the CPU sec
 receiving and the sending end: the link between namespaces is memory copies, so on a small shared
 machine the rates follow the CPU left over, and the CPU cost is the steadier figure.
 Run: `.venv/bin/python bench/model_transfer.py`.
+
+`--first-up`: the first `metal-cluster up` of a multi-GB checkpoint made here (random llama
+weights, `--layers`/`--hidden`), three hosts of network namespaces: the coordinator, which has the
+model and runs a stage, and two workers that have no copy of it (an empty tmpfs over its folder).
+Reports, per worker, the bytes it fetched, the bytes its cache holds, and its stage's share of the
+checkpoint; the seconds until `up` serves; and the same for a second `up` (nothing to fetch).
+Run: `.venv/bin/python bench/model_transfer.py --first-up --layers 12 --hidden 2048`; `--json PATH`
+writes the figures.
+
+`--gguf-stages`: each stage of a 3-stage plan of the embedded SmolLM2 Q4_1 GGUF fetched into an
+empty cache of its own (in-process, loopback), and what each cache then holds: its files' bytes,
+their blocks on disk, and what a size count that follows links sees (`du -L --apparent-size`).
 """
 
 import argparse
@@ -115,12 +127,105 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def first_up(args) -> dict:
+    """Two `up`s of one model over a coordinator and two workers that fetch their layers."""
+    import re
+
+    import test_up_netns as up_test
+
+    work = Path(tempfile.mkdtemp(prefix="mc-bench-first-up-"))
+    try:
+        model = tiny_models.build_tiny_model("llama", work / "model", num_layers=args.layers,
+                                             hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                                             num_heads=16, num_kv_heads=4)
+        size = (model / "model.safetensors").stat().st_size
+        print(f"checkpoint: {size / 2**30:.2f} GiB, {args.layers} layers, float32", flush=True)
+        out = {"checkpoint_bytes": size, "layers": args.layers, "hidden": args.hidden, "ups": []}
+        with netns.lan(3, net=79) as [(ns_a, ip_a), (ns_b, ip_b), (ns_c, ip_c)]:
+            for ns, ip in ((ns_b, ip_b), (ns_c, ip_c)):
+                up_test.start_worker(ns, ip, work, hide=model)
+            for k in range(2):
+                log = work / f"up-{k}.log"
+                began = time.monotonic()
+                up = netns.popen(ns_a, [*up_test.PY, "up", str(model), "--interface", ip_a, "--host", ip_a,
+                                        "--port", "8000", "--cluster-token", up_test.TOKEN,
+                                        "--gpu-memory-utilization", "0.1", "--max-model-len", "512",
+                                        "--max-num-batched-tokens", "64", "--served-model-name", "m", "--no-mdns",
+                                        "--peers", f"{ip_b}:7760,{ip_c}:7760", "--discovery-timeout", "60"], log)
+                up_test.wait_healthy(ns_a, f"http://{ip_a}:8000", up, log, timeout=1200)
+                seconds = time.monotonic() - began
+                row = {"up": k + 1, "seconds_until_serving": round(seconds, 1), "workers": []}
+                for ip in (ip_b, ip_c):
+                    (a, b), fetched = up_test.fetched(work / f"worker-{ip}.log")
+                    share, _ = up_test.stage_share(model, a, b, num_layers=args.layers)
+                    cache = work / f"cache-{ip}"
+                    kept = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file() and not p.is_symlink())
+                    disk = sum(p.stat().st_blocks * 512 for p in cache.rglob("*") if p.is_file() and not p.is_symlink())
+                    secs = [float(x) for x in re.findall(r"fetched \d+ bytes for layers \S+ \S+ in ([\d.]+)s",
+                                                          (work / f"worker-{ip}.log").read_text())]
+                    row["workers"].append({"worker": ip, "layers": [a, b], "bytes_fetched": fetched,
+                                           "cache_bytes": kept, "cache_disk_bytes": disk, "stage_tensor_bytes": share,
+                                           "cache_over_share_of_checkpoint": round((kept - share) / size, 4),
+                                           "fetch_seconds": secs[-1] if secs and fetched else 0.0})
+                    print(f"up {k + 1}: worker {ip} layers [{a}, {b}): fetched {fetched / 2**20:.1f} MiB, cache "
+                          f"{kept / 2**20:.1f} MiB (on disk {disk / 2**20:.1f}), its tensors {share / 2**20:.1f} MiB "
+                          f"({share / size:.0%} of the checkpoint)", flush=True)
+                print(f"up {k + 1}: serving after {seconds:.1f} s", flush=True)
+                out["ups"].append(row)
+                netns.kill_all(ns_a)
+                up.wait(30)
+        return out
+    finally:
+        if args.keep:
+            print(f"kept {work}", flush=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def gguf_stage_caches() -> dict:
+    work = Path(tempfile.mkdtemp(prefix="mc-bench-gguf-stages-"))
+    os.environ["METAL_CLUSTER_CACHE"] = str(work / "coordinator")
+    from metal_cluster.coordinator.cluster import model_store
+    from metal_cluster.stage_worker.model.model_source import resolve_model
+    from metal_cluster.stage_worker.transfer.fetch import fetch_stage
+
+    def sizes(root: Path) -> dict:
+        files = [p for p in root.rglob("*") if p.is_file() and not p.is_symlink()]
+        return {"apparent": sum(p.stat().st_size for p in files), "disk": sum(p.stat().st_blocks * 512 for p in files),
+                "apparent_links_followed": sum(p.stat().st_size for p in root.rglob("*") if p.is_file())}
+
+    try:
+        source = resolve_model(None)
+        store = model_store.start(source, "smollm2", "127.0.0.1", "bench-token")
+        n = source.config["num_hidden_layers"]
+        rows = []
+        try:
+            for a, b in ((0, n // 3), (n // 3, 2 * n // 3), (2 * n // 3, n)):
+                got = fetch_stage(store.address, store.manifest.sha256, a, b, "bench-token", root=work / f"w{a}")
+                rows.append({"layers": [a, b], "fetched": got.received, **sizes(work / f"w{a}")})
+                print(f"layers [{a}, {b}): {rows[-1]}", flush=True)
+        finally:
+            store.stop()
+        return {"gguf_bytes": source.gguf.stat().st_size, "stages": rows}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--first-up", action="store_true", help="two `up`s over two fetching workers")
+    parser.add_argument("--json", help="write the --first-up or --gguf-stages figures here")
+    parser.add_argument("--keep", action="store_true", help="keep the --first-up folder (logs, caches)")
+    parser.add_argument("--gguf-stages", action="store_true", help="the caches of a 3-stage SmolLM2 GGUF plan")
     args = parser.parse_args()
+    if args.first_up or args.gguf_stages:
+        figures = first_up(args) if args.first_up else gguf_stage_caches()
+        if args.json:
+            Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+        return
     work = Path(tempfile.mkdtemp(prefix="mc-bench-transfer-"))
     try:
         model = tiny_models.build_tiny_model("llama", work / "model", num_layers=args.layers,

@@ -410,8 +410,8 @@ def worker(
         "flags given here; the config file still applies at each start.")),
     uninstall_service: bool = typer.Option(False, "--uninstall-service", help="Stop and remove that service."),
     cache_limit: float = typer.Option(
-        0, min=0, help="GiB of fetched weights to keep in the cache; other models' files go first, least recently "
-                       "used first (0: no limit)."),
+        0, min=0, help="GiB of fetched weights to keep in the cache; tensors no stage here needs now (other "
+                       "models', layers given away) go first, least recently used first (0: no limit)."),
     coordinator_timeout: float = typer.Option(
         30.0, min=1, help="Seconds without a heartbeat from its coordinator before a serving worker frees itself."),
 ):
@@ -443,6 +443,41 @@ def worker(
                     cache_limit=int(cache_limit * 2**30))
     except OSError as e:
         fail(str(e))
+
+
+cache_app = typer.Typer(help="List or prune this host's cache of fetched weights (what `worker` keeps).")
+app.add_typer(cache_app, name="cache")
+
+
+@cache_app.callback(invoke_without_command=True)
+def cache(ctx: typer.Context):
+    """List the stages whose tensors this host's cache holds ($METAL_CLUSTER_CACHE or ~/.cache/metal-cluster)."""
+    if ctx.invoked_subcommand:
+        return
+    from metal_cluster.stage_worker.model.model_source import cache_dir
+    from metal_cluster.stage_worker.transfer import cache_admin
+
+    root = cache_dir()
+    found = cache_admin.stages(root)
+    typer.echo(f"cache {root}: {cache_admin.total_bytes(root) / 2**20:.1f} MiB")
+    for s in found:
+        typer.echo(f"  {s.model} ({s.manifest}) layers [{s.layers[0]}, {s.layers[1]}): {s.tensors} of {s.wanted} "
+                   f"tensors, {s.bytes / 2**20:.1f} MiB, used {cache_admin.ago(s.last_used)}")
+    if not found:
+        typer.echo("  no stage's weights")
+
+
+@cache_app.command("prune")
+def cache_prune(max_size: float = typer.Option(0, min=0, help="GiB of tensors to keep, the most recently used "
+                                                              "(0: remove every cached weight).")):
+    """Remove cached tensors, least recently used first, down to --max-size; a stage that needs one
+    again fetches it."""
+    from metal_cluster.stage_worker.model.model_source import cache_dir
+    from metal_cluster.stage_worker.transfer import cache_admin
+
+    removed, freed = cache_admin.prune(cache_dir(), int(max_size * 2**30))
+    typer.echo(f"cache {cache_dir()}: removed {removed} tensor file(s), freed {freed / 2**20:.1f} MiB; "
+               f"{cache_admin.total_bytes(cache_dir()) / 2**20:.1f} MiB left")
 
 
 @app.command()

@@ -402,14 +402,20 @@ class ResetResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class TensorRange(_message.Message):
-    __slots__ = ("name", "offset", "length")
+    __slots__ = ("name", "offset", "length", "dtype", "shape", "ggml_type")
     NAME_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    GGML_TYPE_FIELD_NUMBER: _ClassVar[int]
     name: str
     offset: int
     length: int
-    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    ggml_type: int
+    def __init__(self, name: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., ggml_type: _Optional[int] = ...) -> None: ...
 
 class Piece(_message.Message):
     __slots__ = ("offset", "length", "blake3")

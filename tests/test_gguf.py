@@ -193,6 +193,45 @@ def test_q8_0_and_q4_0_dequantize_exactly(tmp_path):
     np.testing.assert_array_equal(down, (d4.astype(np.float32) * (q4 - 8.0)).reshape(rows, cols))
 
 
+def test_a_tensors_own_bytes_load_as_mlx_reads_the_whole_file(tmp_path):
+    """A fetched stage keeps each GGUF tensor's bytes alone (no GGUF around them): gguf_blocks turns
+    Q4_0, Q4_1, Q8_0, F16, BF16 and F32 bytes, 2-D and 3-D (stacked experts), into exactly what
+    mx.load gives for the whole file."""
+    import gguf as gguf_lib
+    from gguf.quants import quantize
+
+    from metal_cluster.stage_worker.model import gguf_blocks
+
+    rng = np.random.default_rng(1)
+    path = tmp_path / "kinds.gguf"
+    writer = gguf_lib.GGUFWriter(str(path), "llama")
+    for kind in ("Q4_0", "Q4_1", "Q8_0", "F16", "BF16", "F32"):
+        for stem, shape in (("plain", (16, 96)), ("experts", (3, 8, 64))):
+            values = rng.standard_normal(shape).astype(np.float32)
+            if kind in ("F16", "F32"):
+                writer.add_tensor(f"{kind}.{stem}.weight", values.astype(np.float16 if kind == "F16" else np.float32))
+            else:
+                qtype = gguf_lib.GGMLQuantizationType[kind]
+                packed = quantize(values, qtype)
+                writer.add_tensor(f"{kind}.{stem}.weight", packed, raw_shape=packed.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    whole = mx.load(str(path))
+    raw = np.fromfile(path, dtype=np.uint8)
+    seen = set()
+    for t in gguf_lib.GGUFReader(path).tensors:
+        shape = [int(n) for n in reversed(t.shape)]
+        assert gguf_blocks.tensor_bytes(int(t.tensor_type), shape) == int(t.n_bytes)
+        mine = gguf_blocks.arrays(t.name, int(t.tensor_type), shape,
+                                  raw[int(t.data_offset):int(t.data_offset) + int(t.n_bytes)])
+        for name, value in mine.items():
+            assert value.dtype == whole[name].dtype and mx.array_equal(value, whole[name]), name
+        seen |= set(mine)
+    assert seen == set(whole) and len(seen) == 2 * (3 * 3 + 3)  # the quantized ones as triples
+
+
 # --- tokenizer --------------------------------------------------------------------------------
 
 

@@ -66,17 +66,17 @@ def fetched(log_path):
 
 
 def tensor_range(model, prefix):
-    """(offset, length) in the file of the first tensor whose name starts with `prefix`."""
+    """(name, length) of the first tensor whose name starts with `prefix`."""
     with open(model / "model.safetensors", "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
-    a, b = next(i["data_offsets"] for k, i in header.items() if k.startswith(prefix))
-    return 8 + n + a, b - a
+    name, (a, b) = next((k, i["data_offsets"]) for k, i in header.items() if k.startswith(prefix))
+    return name, b - a
 
 
 def stage_share(model, start, end, num_layers=4, had=None):
     """Bytes a stage of the (untied) llama fetches: its tensors (less those of the layers it `had`),
-    from the checkpoint's header read here, and the header and small files (0 with `had`)."""
+    from the checkpoint's header read here, and the small files (0 with `had`)."""
     with open(model / "model.safetensors", "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(n))
@@ -88,7 +88,7 @@ def stage_share(model, start, end, num_layers=4, had=None):
 
     tensors = sum(i["data_offsets"][1] - i["data_offsets"][0] for k, i in header.items()
                   if k != "__metadata__" and wanted(k, start, end) and not (had and wanted(k, *had)))
-    rest = 8 + n + sum(p.stat().st_size for p in model.iterdir() if p.suffix != ".safetensors")
+    rest = sum(p.stat().st_size for p in model.iterdir() if p.suffix != ".safetensors")  # no header: tensors alone
     return tensors, 0 if had else rest
 
 
@@ -160,7 +160,7 @@ def test_up_finds_workers_by_mdns_alone(lan, tmp_path, llama_model):
 
 def test_up_with_static_peers_and_mdns_off(lan, tmp_path, llama_model):
     """Also: workers with no copy of the model fetch their layers' share of it; a second `up` moves no
-    weight bytes, but fetches again the one piece corrupted in a worker's cache; a worker whose disk
+    weight bytes, but fetches again the one tensor corrupted in a worker's cache; a worker whose disk
     cannot hold its layers is left out of both plans."""
     (ns_a, _), (_, ip_b), (_, ip_c), (_, ip_d), (_, ip_e) = lan
     peers = f"{ip_b}:7760,{ip_c}:7760,{ip_d}:7760,{ip_e}:7760"
@@ -173,22 +173,25 @@ def test_up_with_static_peers_and_mdns_off(lan, tmp_path, llama_model):
         assert received == tensors + rest, (ip, a, b)
         total = (llama_model / "model.safetensors").stat().st_size
         assert tensors < 0.75 * total  # a share of the checkpoint, not a copy of it
+        cache = tmp_path / f"cache-{ip}"  # and all the worker keeps of it (links not followed)
+        kept = sum(p.stat().st_size for p in cache.rglob("*") if p.is_file() and not p.is_symlink())
+        assert tensors <= kept <= tensors + 0.1 * total, (ip, kept, tensors)
 
     netns.kill_all(ns_a)  # the coordinator goes; the workers are claimed by the next one
-    blob = next(p for p in (tmp_path / f"cache-{ip_c}" / "blobs").iterdir()
-                if p.stat().st_size == (llama_model / "model.safetensors").stat().st_size)
     (a, b), _ = fetched(tmp_path / f"worker-{ip_c}.log")
-    offset, length = tensor_range(llama_model, f"model.layers.{a}.")
-    with open(blob, "r+b") as f:  # one byte of a tensor of c's first layer
-        f.seek(offset + length // 2)
+    name, length = tensor_range(llama_model, f"model.layers.{a}.")
+    cached = next(p for p in (tmp_path / f"cache-{ip_c}" / "tensors").iterdir()
+                  if not p.name.endswith(".part") and p.name[0] != "." and f'"{name}"'.encode() in p.read_bytes()[:300])
+    with open(cached, "r+b") as f:  # one byte of a tensor of c's first layer, as the cache holds it
+        f.seek(-(length // 2), os.SEEK_END)
         byte = f.read(1)
-        f.seek(offset + length // 2)
+        f.seek(-(length // 2), os.SEEK_END)
         f.write(bytes([byte[0] ^ 0xFF]))
     check_cluster(lan, tmp_path, llama_model, flags, start_workers=False, log_name="up-again.log", no_room=True)
     assert fetched(tmp_path / f"worker-{ip_b}.log")[1] == 0  # nothing moved: all in its cache
-    assert "failed their hash" not in (tmp_path / f"worker-{ip_b}.log").read_text()
-    assert fetched(tmp_path / f"worker-{ip_c}.log") == ((a, b), length)  # only the corrupted piece
-    assert "failed their hash" in (tmp_path / f"worker-{ip_c}.log").read_text()
+    assert "failed its hash" not in (tmp_path / f"worker-{ip_b}.log").read_text()
+    assert fetched(tmp_path / f"worker-{ip_c}.log") == ((a, b), length)  # only the corrupted tensor
+    assert "failed its hash" in (tmp_path / f"worker-{ip_c}.log").read_text()
 
 
 STREAMS = """

@@ -25,6 +25,12 @@ DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.5}
 class ModelSource:
     folder: Path  # config.json + tokenizer files
     gguf: Path | None = None  # weights, when they come from a GGUF file
+    # A fetched stage's GGUF tensors, cached one by one: their index (`transfer/stage_folder.py`).
+    gguf_tensors: Path | None = None
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.gguf is not None or self.gguf_tensors is not None
 
     @property
     def config(self) -> dict:
@@ -102,6 +108,8 @@ def resolve_model(model: str | os.PathLike | None = None) -> ModelSource:
         return ModelSource(gguf.prepare_gguf_folder(path, cache_dir() / "gguf", sampling), gguf=path.resolve())
     if not path.is_dir():
         raise ModelLoadError(f"model not found: {path} is neither a folder nor a .gguf file (models are never downloaded)")
+    if (path / "gguf_tensors.json").is_file():
+        return ModelSource(path, gguf_tensors=path / "gguf_tensors.json")
     source_file = path / "gguf_source.json"
     if source_file.is_file():
         return ModelSource(path, gguf=Path(json.loads(source_file.read_text())["gguf"]))

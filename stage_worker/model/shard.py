@@ -71,11 +71,11 @@ def load_shard(source: ModelSource, start: int = 0, end: int | None = None,
     if not 0 <= start < end <= num_layers:
         raise ModelLoadError(f"layer range [{start}, {end}) is outside the model's {num_layers} layers")
     gpu = dtypes.on_gpu()
-    model = (_load_gguf_model(source, config, start, end, gpu) if source.gguf
-             else _load_folder_model(source, family, config))
+    model = (_load_gguf_model(source, config, start, end, gpu) if source.is_gguf
+             else _load_folder_model(source, family, config, whole=fetched is None))
     model = family.language_model(model)
     _keep_only(family.inner(model), model, start, end, num_layers)
-    if fetched is not None and not source.gguf:
+    if fetched is not None and not source.is_gguf:
         _check_fetched(model, start, fetched, source.folder)
     dtype = dtypes.compute_dtype(dtypes.model_weights(model), gpu)
     dtypes.settle(model, dtype)
@@ -94,18 +94,40 @@ def load_shard(source: ModelSource, start: int = 0, end: int | None = None,
                       caches=caches, dtype=dtype, compile_switch=switch)
 
 
-def _load_folder_model(source: ModelSource, family: Family, config: dict) -> nn.Module:
+def _load_folder_model(source: ModelSource, family: Family, config: dict, whole: bool = True) -> nn.Module:
+    """`whole`: the folder holds every tensor of the checkpoint; a fetched stage's holds only its own
+    (one file each: `transfer/stage_folder.py`), so the load cannot be strict, and `_check_fetched`
+    makes sure that every tensor the stage keeps came."""
     head = classifier.score_head(source.folder)
     classes = _get_classes if head is None else classifier.with_score_head(_get_classes, *head)
     if family.mtp_layers(config):
         classes = _without_mtp(classes, family)
+    if not whole:
+        _open_files_for(source.folder)
     try:
-        model, _ = load_model(source.folder, lazy=True, strict=True, get_model_classes=classes)
+        model, _ = load_model(source.folder, lazy=True, strict=whole, get_model_classes=classes)
     except KeyError as e:  # mlx-lm's sanitize looks up a tensor the checkpoint does not have
         raise ModelLoadError(f"cannot load weights from {source.folder}: tensor {e.args[0]} is missing") from None
     except (ValueError, FileNotFoundError) as e:
         raise ModelLoadError(f"cannot load weights from {source.folder}: {_one_line(e)}") from None
     return model
+
+
+def _open_files_for(folder) -> None:
+    """MLX keeps each safetensors file open until its arrays are read, and a fetched stage's folder
+    holds a file per tensor (thousands for a big MoE): let this process open that many (macOS
+    starts a process at 256)."""
+    import resource
+
+    need = len(list(folder.glob("model*.safetensors"))) + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        for want in (need * 2, need):
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard), hard))
+                return
+            except (ValueError, OSError):
+                continue
 
 
 def _without_mtp(get_classes, family: Family):
@@ -130,7 +152,12 @@ def _without_mtp(get_classes, family: Family):
 def _load_gguf_model(source: ModelSource, config: dict, start: int, end: int, gpu: bool) -> nn.Module:
     from metal_cluster.stage_worker.model import gguf
 
-    tensors, _ = gguf.read_gguf(source.gguf)
+    if source.gguf_tensors is not None:  # a fetched stage: its tensors alone, as the GGUF stores them
+        from metal_cluster.stage_worker.model import gguf_blocks
+
+        tensors = gguf_blocks.load_index(source.gguf_tensors)
+    else:
+        tensors, _ = gguf.read_gguf(source.gguf)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
     tied = "lm_head" not in model

@@ -17,7 +17,6 @@ ticket's, so there is no framing. A ticket is good for one connection, within GR
 import contextlib
 import fcntl
 import logging
-import mmap
 import os
 import queue
 import secrets
@@ -152,31 +151,32 @@ def connect(host: str, port: int, ticket: bytes) -> socket.socket:
     return conn
 
 
-def receive_into(conn: socket.socket, ranges: list[tuple[int, int]], fd: int,
-                 buffers: Buffers) -> Iterator[tuple[int, memoryview, Callable[[], None]]]:
-    """Write the granted ranges' bytes into `fd` at their offsets and yield each chunk once it is
-    written, as (offset, its bytes, release): chunks of at most CHUNK_BYTES that never straddle
-    two ranges; `release()` once the chunk is hashed. Closes `conn`. OSError (TimeoutError too)
-    when the link or the disk fails; EOFError when the store ends early.
+def receive_into(conn: socket.socket, sinks: list[tuple[int, int, int]],
+                 buffers: Buffers) -> Iterator[tuple[memoryview, Callable[[], None]]]:
+    """Write the granted ranges' bytes, back to back as they come, where `sinks` say: (fd, offset
+    in it, length) for each range in turn; yield each chunk once it is written, as (its bytes,
+    release): chunks of at most CHUNK_BYTES that never straddle two ranges; `release()` once the
+    chunk is hashed. Closes `conn`. OSError (TimeoutError too) when the link or the disk fails;
+    EOFError when the store ends early.
 
     On Linux the bytes go from the socket to the file by splice(2), without a copy through this
-    process, and are hashed from the page cache (a read-only map of the file); elsewhere they are
-    received into `buffers` and written from there."""
+    process, and are read back from the page cache to be hashed; elsewhere they are received into
+    `buffers` and written from there."""
     with conn:
         if hasattr(os, "splice"):
-            yield from _spliced(conn, ranges, fd)
+            yield from _spliced(conn, sinks)
         else:
-            yield from _copied(conn, ranges, fd, buffers)
+            yield from _copied(conn, sinks, buffers)
 
 
-def _chunks(ranges: list[tuple[int, int]], size: int = CHUNK_BYTES) -> Iterator[tuple[int, int]]:
-    for offset, length in ranges:
+def _chunks(sinks: list[tuple[int, int, int]], size: int = CHUNK_BYTES) -> Iterator[tuple[int, int, int]]:
+    for fd, offset, length in sinks:
         for at in range(offset, offset + length, size):
-            yield at, min(size, offset + length - at)
+            yield fd, at, min(size, offset + length - at)
 
 
-def _copied(conn, ranges, fd, buffers: Buffers):
-    for at, n in _chunks(ranges):
+def _copied(conn, sinks, buffers: Buffers):
+    for fd, at, n in _chunks(sinks):
         buf = buffers.take()
         try:
             view = buf[:n]
@@ -185,10 +185,10 @@ def _copied(conn, ranges, fd, buffers: Buffers):
         except BaseException:
             buffers.give(buf)
             raise
-        yield at, view, lambda buf=buf: buffers.give(buf)
+        yield view, lambda buf=buf: buffers.give(buf)
 
 
-def _spliced(conn, ranges, fd):
+def _spliced(conn, sinks):
     # A blocking socket with a receive timeout: splice(2) honours SO_RCVTIMEO (EAGAIN when it passes).
     conn.settimeout(None)
     conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", int(IO_TIMEOUT), 0))
@@ -196,9 +196,7 @@ def _spliced(conn, ranges, fd):
     try:
         with contextlib.suppress(OSError):  # a bigger pipe: fewer calls (Linux caps it, 1 MiB by default)
             fcntl.fcntl(pipe_in, getattr(fcntl, "F_SETPIPE_SZ", 1031), PIPE_BYTES)
-        # Views of the map outlive this generator (the hasher releases them): it closes with the last.
-        mapped = memoryview(mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ))
-        for at, n in _chunks(ranges, SPLICE_CHUNK_BYTES):
+        for fd, at, n in _chunks(sinks, SPLICE_CHUNK_BYTES):
             done = 0
             while done < n:
                 got = os.splice(conn.fileno(), pipe_in, n - done)
@@ -208,11 +206,15 @@ def _spliced(conn, ranges, fd):
                     moved = os.splice(pipe_out, fd, got, offset_dst=at + done)
                     got -= moved
                     done += moved
-            view = mapped[at:at + n]
-            yield at, view, view.release
+            # Read back from the page cache: a file that grows as it arrives cannot be mapped ahead.
+            yield memoryview(os.pread(fd, n, at)), _nothing
     finally:
         os.close(pipe_in)
         os.close(pipe_out)
+
+
+def _nothing() -> None:
+    pass
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -5,8 +5,10 @@ A file's sha256 names it (the worker's cache is keyed by it); each piece carries
 the worker checks as the piece arrives: SHA-256 cost a receiving worker twice what the bytes
 themselves cost it, BLAKE3 a fifth of SHA-256 (bench/README.md, "Weights over the model store").
 
-Each file is cut into pieces that a worker fetches and verifies one by one: the header, each
-tensor (a big one in parts of at most PIECE_BYTES), and the gaps between tensors. The manifest is
+Each file is cut into pieces that a worker fetches and verifies one by one: each tensor whole (a
+worker's cache keeps tensors, `tensor_cache.py`; a cut-off transfer resumes at the byte), the
+header and the gaps between tensors (in parts of at most PIECE_BYTES). Each tensor carries its
+dtype and shape (a GGUF tensor its ggml type), so a worker needs no header to load it. The manifest is
 computed once per model (it reads every byte to hash it) and cached under the model's identity
 (paths, sizes, mtimes), so a second `up` of the same model reads only the headers' stat.
 
@@ -22,9 +24,9 @@ from metal_cluster.stage_worker.model.checkpoint_sizes import read_header
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.model.model_source import ModelSource, cache_dir, text_tensor_name
 
-PIECE_BYTES = 64 * 2**20  # resume and re-verify granularity; a few per big tensor
+PIECE_BYTES = 64 * 2**20  # of a header or a gap: tensors are pieces whole
 READ_BYTES = 8 * 2**20
-FORMAT = 2  # bump when what a manifest holds changes, so cached ones are rebuilt
+FORMAT = 3  # bump when what a manifest holds changes, so cached ones are rebuilt
 GGUF_SOURCE = "gguf_source.json"  # names a path on the coordinator: the worker writes its own
 
 
@@ -50,7 +52,8 @@ def tensor_ranges(path: Path) -> tuple[str, list[pb.TensorRange]]:
 def _safetensors_ranges(path: Path) -> list[pb.TensorRange]:
     header, base = read_header(path)
     ranges = [pb.TensorRange(name=name, offset=base + info["data_offsets"][0],
-                             length=info["data_offsets"][1] - info["data_offsets"][0])
+                             length=info["data_offsets"][1] - info["data_offsets"][0], dtype=info["dtype"],
+                             shape=info["shape"])
               for name, info in header.items()]
     return sorted(ranges, key=lambda r: r.offset)
 
@@ -62,12 +65,15 @@ def _gguf_ranges(path: Path) -> list[pb.TensorRange]:
         reader = GGUFReader(path)
     except Exception as e:
         raise ModelLoadError(f"cannot read GGUF {path}: file is truncated or not a GGUF ({e})") from None
-    ranges = [pb.TensorRange(name=t.name, offset=int(t.data_offset), length=int(t.n_bytes)) for t in reader.tensors]
+    # GGUFReader gives the shape innermost axis first (ggml's ne); numpy's order is the other way round.
+    ranges = [pb.TensorRange(name=t.name, offset=int(t.data_offset), length=int(t.n_bytes),
+                             shape=[int(n) for n in reversed(t.shape)], ggml_type=int(t.tensor_type))
+              for t in reader.tensors]
     return sorted(ranges, key=lambda r: r.offset)
 
 
 def cut(size: int, tensors: list[pb.TensorRange], piece_bytes: int = PIECE_BYTES) -> list[tuple[int, int]]:
-    """(offset, length) of the pieces covering a file: gaps (the header) and tensors in parts."""
+    """(offset, length) of the pieces covering a file: each tensor whole, gaps (the header) in parts."""
     pieces, at = [], 0
 
     def add(start: int, end: int) -> None:
@@ -77,7 +83,8 @@ def cut(size: int, tensors: list[pb.TensorRange], piece_bytes: int = PIECE_BYTES
     for t in tensors:
         if t.offset > at:
             add(at, t.offset)
-        add(max(at, t.offset), t.offset + t.length)
+        if t.offset + t.length > at or (t.length == 0 and t.offset >= at):
+            pieces.append((max(at, t.offset), t.offset + t.length - max(at, t.offset)))
         at = max(at, t.offset + t.length)
     if size > at:
         add(at, size)

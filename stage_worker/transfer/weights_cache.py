@@ -1,10 +1,9 @@
-"""The worker's content-addressed cache of model files: `blobs/<sha256 of the file>`.
+"""The worker's content-addressed cache of a model's small files (config, tokenizer), whole:
+`blobs/<sha256 of the file>`. Weights are cached tensor by tensor instead (`tensor_cache.py`).
 
-A blob has the whole file's size but holds only the pieces fetched so far (a sparse file: the rest
-are holes and take no disk); `<sha256>.pieces` lists the pieces that arrived and matched their
-hash. A stage's loader reads only its own tensors, so a blob with holes where other stages'
-layers are loads like the full file. Pieces are hashed again before each use: one corrupted or
-truncated on disk is found and fetched again; one that never finished arriving was never listed.
+`<sha256>.pieces` lists the pieces that arrived and matched their hash. Pieces are hashed again
+before each use: one corrupted or truncated on disk is found and fetched again; one that never
+finished arriving was never listed.
 """
 
 import contextlib
@@ -91,21 +90,30 @@ class BlobStore:
         except FileNotFoundError:
             return 0
 
+    def blobs(self) -> list[str]:
+        return [p.name for p in self.root.iterdir() if len(p.name) == 64 and "." not in p.name] if self.root.exists() else []
+
+    def total_bytes(self) -> int:
+        return sum(self.disk_bytes(b) for b in self.blobs())
+
     def evict(self, limit: int, keep: set[str]) -> list[str]:
         """Remove blobs not in `keep`, least recently used first, until the cache is within `limit`
         bytes (or only kept blobs are left). The removed blobs' hashes."""
-        blobs = [p.name for p in self.root.iterdir() if len(p.name) == 64 and "." not in p.name]
+        blobs = self.blobs()
         used = sum(self.disk_bytes(b) for b in blobs)
         removed = []
         for sha in sorted((b for b in blobs if b not in keep), key=self._last_used):
             if used <= limit:
                 break
-            with self.locked(sha):
-                used -= self.disk_bytes(sha)
-                for suffix in ("", ".pieces", ".used"):
-                    (self.root / f"{sha}{suffix}").unlink(missing_ok=True)
+            used -= self.disk_bytes(sha)
+            self.remove(sha)
             removed.append(sha)
         return removed
+
+    def remove(self, sha: str) -> None:
+        with self.locked(sha):
+            for suffix in ("", ".pieces", ".used"):
+                (self.root / f"{sha}{suffix}").unlink(missing_ok=True)
 
     def _last_used(self, sha: str) -> float:
         try:

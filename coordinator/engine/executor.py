@@ -430,7 +430,9 @@ class ClusterExecutor(Executor):
             settings = self._settings()
             plan = replan.build(stages, healths, settings, say=lambda line: log.info("cluster: %s", line))
         except replan.ReplanError as e:
-            self._give_up(stages, e)
+            clock.append(time.monotonic())
+            self._give_up(stages, e, {"probe": clock[1] - clock[0], "restart": clock[2] - clock[1],
+                                      "place, load and start": clock[3] - clock[2], "total": clock[3] - clock[0]})
             return
         self.activation_peak = max(self.activation_peak,
                                    replan.measured_peak(plan.pipeline.stages, plan.assigned, settings.activation_known))
@@ -462,14 +464,14 @@ class ClusterExecutor(Executor):
                 stages.remove(stage)
                 stage.close()
 
-    def _give_up(self, stages: list, error: replan.ReplanError) -> None:
+    def _give_up(self, stages: list, error: replan.ReplanError, seconds: dict[str, float]) -> None:
         """Serve 503s that say why, with the idle stages kept for a `rebalance`."""
         self.addresses = [s.name for s in stages]
         message = (f"cannot serve {self.model_name} on the hosts that remain: {error}; start or fix a worker, "
                    "then run `metal-cluster rebalance`")
         log.error("cluster: %s", message)
         self.monitor.follow(Pipeline(stages), [(0, 0)] * len(stages), self.control.generation)
-        self.control.settle("unavailable", message)
+        self.control.settle("unavailable", message, seconds=seconds)
 
     def _adopt(self, plan: replan.Plan, clock: list[float]) -> None:
         with self.lock:

@@ -239,9 +239,15 @@ def test_no_stage_left_is_a_clear_503_until_rebalance(llama_model, env):
     ids = tokenizer.encode(PROMPTS[0])
     with running_server(llama_model, *ARGS, "-pp", "2", log_path=env / "server.log") as url:
         client = client_for(url)
+        running = Stream(client, ids)  # held through the loss, then ended: no plan can take it
+        wait_for(lambda: running.tokens, 60, "the stream running")
         for pid in cluster_state.local_coordinators()[0]["worker_pids"]:
             os.kill(pid, signal.SIGKILL)
         wait_for(lambda: status_json(url)["cluster"]["state"] == "unavailable", 60, "unavailable")
+        running.thread.join(30)
+        assert not running.thread.is_alive(), "the held stream hangs"
+        assert running.error and "no stage worker is left" in running.error, running.error
+        assert "total" in status_json(url)["cluster"]["last_replan"]  # the failed re-plan's timings
         began = time.monotonic()
         with pytest.raises(openai.APIStatusError) as refused:
             greedy(client, ids, 5)

@@ -67,7 +67,8 @@ def _set_admission(max_body: int, max_waiting: int, body_timeout: float) -> None
 
 def _stage_timeout_option():
     return typer.Option(
-        15.0, min=1, help="Seconds a stage may miss heartbeats before it counts as lost and the cluster re-plans.")
+        0.75, min=0.3, help="Seconds a stage may miss heartbeats (sent ten times a second) before it counts as "
+                            "lost and the cluster re-plans; raise it for hosts on Wi-Fi.")
 
 
 def _resume_timeout_option():
@@ -426,6 +427,9 @@ def worker(
              f"or pass --cluster-token / set {TOKEN_ENV}")
     if interface and not _typed_here(ctx, "host"):
         host = _interface_address(interface)
+    from metal_cluster.stage_worker import standby
+
+    standby.pause_after_hand_over()
     blas.use_openblas_if_present()
     import logging
 

@@ -1,9 +1,11 @@
 """`metal-cluster worker`: the stage daemon. A gRPC face on a StageHost; errors become statuses
 that name the problem, and the worker stays up.
 
-A plan ends with a reset: the process re-executes itself (same pid, same ports) and comes back idle,
-because MLX's ring can be joined only once per process. A coordinator asks for it (Reset) when it
-re-plans; the worker does it by itself when its coordinator has been silent too long.
+A plan ends with a reset, because MLX's ring can be joined only once per process: the worker's warm
+standby (standby.py) takes the ports over at once, idle, and the process that served re-executes
+itself (same pid) to become the next standby; without a standby ready, the process re-executes itself
+and comes back idle on the same ports. A coordinator asks for a reset (Reset) when it re-plans; the
+worker does it by itself when its coordinator has been silent too long.
 """
 
 import logging
@@ -16,6 +18,7 @@ import grpc
 
 from metal_cluster.proto import cluster_pb2_grpc as pb_grpc
 from metal_cluster.proto import pb
+from metal_cluster.stage_worker import standby
 from metal_cluster.stage_worker.net import cluster_tls
 from metal_cluster.stage_worker.errors import ModelLoadError
 from metal_cluster.stage_worker.step.lora import LoRAError
@@ -54,10 +57,12 @@ def _rpc(method):
 
 
 class StageService(pb_grpc.StageServicer):
-    def __init__(self, host: StageHost, stop: threading.Event, reset: "PendingReset"):
+    def __init__(self, host: StageHost, stop: threading.Event, reset: "PendingReset",
+                 on_serving=lambda: None):
         self.host = host
         self.stop = stop
         self.reset = reset
+        self.on_serving = on_serving  # after a start: the worker makes sure it has a warm standby
 
     @_rpc
     def Assign(self, req):
@@ -83,6 +88,7 @@ class StageService(pb_grpc.StageServicer):
     def Start(self, req):
         resp = self.host.start(req)
         log.info("serving as stage %d of %d with %d KV blocks", req.rank, req.world_size, req.num_blocks)
+        self.on_serving()
         return resp
 
     @_rpc
@@ -133,12 +139,17 @@ class PendingReset:
         self.reason = self.reason or reason
 
 
+def _parent_alive() -> bool:
+    """False once the server that started this worker is gone (even killed with -9)."""
+    parent = int(os.environ.get(PARENT_PID_ENV, 0))
+    return not parent or os.getppid() == parent
+
+
 def _watch_coordinator(host: StageHost, timeout_s: float, reset: PendingReset, stop: threading.Event):
     """A serving stage whose coordinator went quiet (it crashed or restarted) frees itself, so that a
     new coordinator finds it idle without anyone restarting this worker."""
-    parent = int(os.environ.get(PARENT_PID_ENV, 0))
     while not stop.wait(1.0):
-        if parent and os.getppid() != parent:  # its server is gone (even killed with -9): so is this worker
+        if not _parent_alive():  # its server is gone: so is this worker
             log.info("the server that started this worker is gone; stopping")
             stop.set()
             return
@@ -148,8 +159,16 @@ def _watch_coordinator(host: StageHost, timeout_s: float, reset: PendingReset, s
             stop.set()
 
 
-def _reexec(reason: str) -> None:
-    log.info("resetting (%s): restarting this worker process idle", reason)
+def _reexec(reason: str, link: "standby.Link | None", handed_over: bool) -> None:
+    if handed_over:
+        twin = link.peer_pid or (os.getppid() if not standby.is_first_process() else "its twin")
+        log.info("resetting (%s): restarting this worker process idle, as its standby; the warm standby "
+                 "(pid %s) serves from now on", reason, twin)
+        os.environ[standby.STANDBY_ENV] = "1"
+        os.environ[standby.DELAY_ENV] = str(standby.SETTLE_S)
+    else:
+        log.info("resetting (%s): restarting this worker process idle", reason)
+        os.environ.pop(standby.STANDBY_ENV, None)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -158,6 +177,8 @@ def _reexec(reason: str) -> None:
     # that finds its epoll descriptor closed under it aborts the process ("epoll_wait error: Bad file
     # descriptor"), which is how a resetting worker used to die instead of coming back idle.
     _close_on_exec()
+    if link is not None:  # the link to the twin lives on in the next image
+        os.set_inheritable(link.sock.fileno(), True)
     os.execv(sys.executable, sys.orig_argv)
 
 
@@ -176,18 +197,31 @@ def serve(host: str, port: int, ring_port: int, token: str, advertise_ip: str | 
           coordinator_timeout_s: float = 30.0, cache_limit: int = 0) -> None:
     stop = threading.Event()
     reset = PendingReset()
+    node_id = os.environ.get(NODE_ID_ENV)
+    link = standby.Link.from_env()
+    credentials = None
+    if link is not None and link.standing_by:
+        # Everything a start costs is done before the wait: the imports, and the TLS key and
+        # certificate (a fresh key per process, as always).
+        credentials = cluster_tls.server_credentials(token, node_id)
+        link.wait_turn(still_wanted=_parent_alive)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=16, thread_name_prefix="rpc"),
         options=[("grpc.max_send_message_length", MAX_MESSAGE), ("grpc.max_receive_message_length", MAX_MESSAGE)],
     )
-    stage = StageHost(node_id=os.environ.get(NODE_ID_ENV), ring_port=ring_port, token=token,
-                      cache_limit=cache_limit)
+    stage = StageHost(node_id=node_id, ring_port=ring_port, token=token, cache_limit=cache_limit)
     os.environ[NODE_ID_ENV] = stage.node_id
-    pb_grpc.add_StageServicer_to_server(StageService(stage, stop, reset), server)
+    twin = [link]
+
+    def ensure_standby():
+        if twin[0] is None and standby.enabled():
+            twin[0] = standby.Link.spawn()
+
+    pb_grpc.add_StageServicer_to_server(StageService(stage, stop, reset, ensure_standby), server)
     try:
         # Mutual TLS keyed by the token: a caller from another cluster, or a plaintext one, fails the
         # handshake (grpc logs one "Handshake failed" line here) and never reaches a handler.
-        bound = cluster_tls.add_port(server, f"{host}:{port}", token, stage.node_id)
+        bound = cluster_tls.add_port(server, f"{host}:{port}", token, stage.node_id, credentials)
     except RuntimeError:  # grpc's way of saying the address is not this host's, or the port is taken
         bound = 0
     if bound == 0:
@@ -213,7 +247,12 @@ def serve(host: str, port: int, ring_port: int, token: str, advertise_ip: str | 
     if advertiser:
         advertiser.close()
     # A reset must not wait for a step stuck in a ring transfer: the new process image ends it.
-    server.stop(grace=0.5 if reset.reason else 2).wait(1 if reset.reason else 5)
+    stopped = server.stop(grace=0.5 if reset.reason else 2)
     if reset.reason:
-        _reexec(reset.reason)
+        # The listener is closed now: the standby may bind the ports while this server's last
+        # calls end.
+        handed_over = twin[0] is not None and twin[0].hand_over()
+        stopped.wait(1)
+        _reexec(reset.reason, twin[0], handed_over)
+    stopped.wait(5)
     log.info("worker stopped")

@@ -30,7 +30,7 @@ from server_process import free_port, running_server
 CLI = [sys.executable, "-m", "metal_cluster.coordinator"]
 TOKEN = "faults-test-token"
 ARGS = ["--gpu-memory-utilization", "0.05", "--max-model-len", "512", "--max-num-batched-tokens", "64",
-        "--max-num-seqs", "16", "--served-model-name", "m", "--stage-timeout", "3"]
+        "--max-num-seqs", "16", "--served-model-name", "m"]  # the default stage timeout (0.75 s)
 PROMPTS = ["Hello world, this is a test", "The quick brown fox", "Numbers 12345 and 67890", "A",
            "Tea or coffee?", "Pipeline stages overlap", "Short", "One more prompt here"]
 LONG = 400  # tokens per stream: long enough to be running when the stage goes
@@ -166,6 +166,12 @@ def test_a_lost_stage_pauses_every_stream_and_the_cluster_heals(llama_model, env
             streams = [Stream(client, ids) for ids in prompts]
             leaver = RawStream(url, prompts[0])
             wait_for(lambda: all(s.tokens for s in streams), 60, "every stream running")
+            if fault == "SIGSTOP":  # a freeze shorter than the stage timeout is no loss
+                os.kill(victim, signal.SIGSTOP)
+                time.sleep(0.5)
+                os.kill(victim, signal.SIGCONT)
+                time.sleep(1.5)  # past the stage timeout, and heartbeats answered again
+                assert not _held_lines(env), "a 0.5 s freeze counted as a lost stage"
             os.kill(victim, getattr(signal, fault))
             faulted = time.monotonic()
             at_fault = [len(s.tokens) for s in streams]
@@ -233,9 +239,15 @@ def test_no_stage_left_is_a_clear_503_until_rebalance(llama_model, env):
     ids = tokenizer.encode(PROMPTS[0])
     with running_server(llama_model, *ARGS, "-pp", "2", log_path=env / "server.log") as url:
         client = client_for(url)
+        running = Stream(client, ids)  # held through the loss, then ended: no plan can take it
+        wait_for(lambda: running.tokens, 60, "the stream running")
         for pid in cluster_state.local_coordinators()[0]["worker_pids"]:
             os.kill(pid, signal.SIGKILL)
         wait_for(lambda: status_json(url)["cluster"]["state"] == "unavailable", 60, "unavailable")
+        running.thread.join(30)
+        assert not running.thread.is_alive(), "the held stream hangs"
+        assert running.error and "no stage worker is left" in running.error, running.error
+        assert "total" in status_json(url)["cluster"]["last_replan"]  # the failed re-plan's timings
         began = time.monotonic()
         with pytest.raises(openai.APIStatusError) as refused:
             greedy(client, ids, 5)

@@ -134,7 +134,8 @@ def check_dashboard(url, out_dir, client):
 
 
 def test_status_shows_a_dead_worker(llama_model, own_cache):
-    with running_server(llama_model, *ARGS, log_path=own_cache / "server.log"):
+    # A stage timeout long enough for the dead worker to stay in the plan while `status` looks.
+    with running_server(llama_model, *ARGS, "--stage-timeout", "60", log_path=own_cache / "server.log"):
         coordinator = cluster_state.local_coordinators()[0]
         os.kill(coordinator["worker_pids"][1], signal.SIGKILL)
         deadline = time.monotonic() + 30

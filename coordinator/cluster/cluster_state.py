@@ -59,6 +59,7 @@ class ClusterSnapshot:
     requests_resumed: int = 0  # held, then resumed on a new plan where they stopped
     requests_lost: int = 0  # held, then ended with a retryable error (no room, or waited too long)
     events: list[dict] = field(default_factory=list)  # {"time", "message"}, oldest first
+    last_replan: dict = field(default_factory=dict)  # the last re-plan's phases, in seconds
     updated: float = field(default_factory=time.time)
 
     def to_dict(self) -> dict:

@@ -1,6 +1,11 @@
-"""Heartbeats: the executor asks every stage for its health once a second (all stages at once),
+"""Heartbeats: the executor asks every stage for its health ten times a second (all stages at once),
 measures the round trip, notes state changes in the log, keeps the status snapshot up to date, and
-reports a stage that has not answered for the stage timeout as lost."""
+reports a stage that has not answered for the stage timeout as lost.
+
+A frozen stage is seen within the stage timeout plus one interval (under a second by default): each
+probe waits up to the stage timeout, so one probe that fails after waiting that long is the loss. A
+stage that is only slow (a loaded host, a freeze shorter than the timeout) answers the probe late,
+and a late answer is an answer."""
 
 import logging
 import threading
@@ -12,7 +17,8 @@ from metal_cluster.coordinator.cluster.cluster_state import SNAPSHOT, ClusterSna
 from metal_cluster.coordinator.cluster.stages import StageCallError
 
 log = logging.getLogger("vllm.metal_cluster.monitor")
-INTERVAL_S = 1.0
+INTERVAL_S = 0.1
+SNAPSHOT_EVERY_S = 1.0  # `status` reads the snapshot file once a second; a state change writes it at once
 
 
 class Monitor:
@@ -26,6 +32,8 @@ class Monitor:
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+        self.pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="heartbeat-probe")
+        self.written = 0.0
         self.follow(pipeline, ranges, control.generation)
 
     def follow(self, pipeline, ranges, generation: int) -> None:
@@ -37,6 +45,7 @@ class Monitor:
             self.stages = [StageStatus(node=s.name, layers=[a, b]) for s, (a, b) in zip(pipeline.stages, ranges)]
             self.last_answer = [now] * len(pipeline.stages)
             self.reported = False
+            self.silent: set[str] = set()  # stages of this plan reported lost for their silence
 
     def start(self):
         self.poll()
@@ -44,6 +53,12 @@ class Monitor:
 
     def close(self):
         self.stop.set()
+        self.pool.shutdown(wait=False)
+
+    def lost_silent(self) -> set[str]:
+        """Addresses of the stages this plan lost to silence: a re-plan need not probe them again."""
+        with self.lock:
+            return set(self.silent)
 
     def _loop(self):
         while not self.stop.wait(INTERVAL_S):
@@ -56,12 +71,13 @@ class Monitor:
         with self.lock:
             pipeline, generation, nodes, stages = self.pipeline, self.generation, self.nodes, self.stages
             last_answer = self.last_answer
-        timeout = max(0.5, min(5.0, self.stage_timeout_s / 2))
-        with ThreadPoolExecutor(max_workers=max(1, len(pipeline.stages))) as pool:
-            answers = list(pool.map(lambda s: _probe(s, timeout), pipeline.stages))
+        # A probe waits the whole stage timeout: one that fails after that wait is the loss, one
+        # that answers late (a slow host, a short freeze) is not.
+        answers = list(self.pool.map(lambda s: _probe(s, self.stage_timeout_s), pipeline.stages))
+        changed = False
         for k, (node, stage_status, (health, rtt, error)) in enumerate(zip(nodes, stages, answers)):
             if error is not None:
-                self._set_state(node, "down", error)
+                changed |= self._set_state(node, "down", error)
                 self._check_lost(time.monotonic() - last_answer[k], node, error, generation)
                 continue
             last_answer[k] = time.monotonic()
@@ -79,29 +95,34 @@ class Monitor:
             stage_status.kv_dtype = health.kv_dtype
             stage_status.weights_fetched_bytes = health.fetch_bytes_received
             stage_status.fetch_bytes_done, stage_status.fetch_bytes_total = health.fetch_bytes_done, health.fetch_bytes_total
-            self._set_state(node, health.state, "")
-        if self.path:
+            changed |= self._set_state(node, health.state, "")
+        if self.path and (changed or time.monotonic() - self.written >= SNAPSHOT_EVERY_S):
+            self.written = time.monotonic()
             write_json(self.path, self.snapshot().to_dict())
 
     def _check_lost(self, silent: float, node, error: str, generation: int) -> None:
         if self.reported or silent < self.stage_timeout_s or self.control.state != "serving":
             return
         self.reported = True
-        self.on_lost(f"stage {node.address} has not answered heartbeats for {silent:.0f}s ({error})", generation)
+        with self.lock:
+            if generation == self.generation:
+                self.silent.add(node.address)
+        self.on_lost(f"stage {node.address} has not answered heartbeats for {silent:.1f}s ({error})", generation)
 
     def snapshot(self) -> ClusterSnapshot:
         with self.lock:
             return ClusterSnapshot(model=self.model, nodes=list(self.nodes), stages=list(self.stages),
                                    **self.control.summary())
 
-    def _set_state(self, node, state, reason):
+    def _set_state(self, node, state, reason) -> bool:
         if node.state == state:
-            return
+            return False
         if state == "down":
             log.warning("stage %s is down: %s", node.address, reason)
         else:
             log.info("stage %s is %s", node.address, state)
         node.state = state
+        return True
 
 
 def _probe(stage, timeout: float):

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from metal_cluster.coordinator.commands import load_progress
 from metal_cluster.coordinator.cluster import placement
-from metal_cluster.coordinator.cluster.stages import DraftAssignment, Pipeline, StageCallError, wire_dtype
+from metal_cluster.coordinator.cluster.stages import WAIT_POLL_S, DraftAssignment, Pipeline, StageCallError, wire_dtype
 from metal_cluster.proto import pb
 from metal_cluster.stage_worker.model.dtypes import from_name
 from metal_cluster.stage_worker.host import machine_id
@@ -107,7 +107,7 @@ def wait_idle(stage, deadline: float):
                 raise
         if time.monotonic() >= deadline:
             raise StageCallError(f"stage {stage.name}: not idle {RESET_TIMEOUT_S}s after a reset")
-        time.sleep(0.2)
+        time.sleep(WAIT_POLL_S)
 
 
 def model_cost(settings: Settings, on_gpu: bool) -> placement.ModelCost:

@@ -26,6 +26,9 @@ FETCH_TIMEOUT_S = 6 * 3600
 # again; retry its address every quarter second instead (a refused connect costs next to nothing, and
 # a re-plan waits for the slowest worker to come back: each second here was a second of the outage).
 RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 250)]
+# How often a wait for a worker to come up (or back, idle) asks again: a warm standby takes a
+# worker's ports over within milliseconds of its reset, so each poll here is outage time.
+WAIT_POLL_S = 0.05
 
 
 class StageCallError(RuntimeError):
@@ -179,7 +182,7 @@ class RemoteStage:
                 booting = e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
                 if not (booting and still_starting() and time.monotonic() < deadline):
                     raise
-                time.sleep(0.2)
+                time.sleep(WAIT_POLL_S)
 
     def lora_add(self, req):
         return self._call(self.stub.LoRAAdd, req)

@@ -69,7 +69,7 @@ def collect(url: str, previous: dict | None = None) -> dict:
         "nodes": snapshot.get("nodes", []),
         "stages": snapshot.get("stages", []),
         "cluster": {k: snapshot.get(k) for k in ("state", "reason", "replans", "stage_losses", "requests_held",
-                                                      "requests_resumed", "requests_lost", "events")},
+                                                      "requests_resumed", "requests_lost", "events", "last_replan")},
         "requests": {
             "running": int(_metric(metrics, "vllm:num_requests_running")),
             "waiting": int(_metric(metrics, "vllm:num_requests_waiting")),
@@ -142,6 +142,9 @@ def _cluster_lines(cluster: dict) -> list[str]:
              + f"   stage losses: {cluster.get('stage_losses') or 0}   re-plans: {cluster.get('replans') or 0}"
              + f"   requests resumed: {cluster.get('requests_resumed') or 0}   lost: {cluster.get('requests_lost') or 0}"
              + (f"   held: {cluster['requests_held']}" if cluster.get("requests_held") else "")]
+    if cluster.get("last_replan"):
+        parts = cluster["last_replan"]
+        lines.append("last re-plan: " + ", ".join(f"{k} {v:.2f}s" for k, v in parts.items()))
     for event in (cluster.get("events") or [])[-5:]:
         lines.append(f"  {time.strftime('%H:%M:%S', time.localtime(event['time']))}  {event['message']}")
     return lines

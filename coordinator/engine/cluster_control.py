@@ -49,6 +49,8 @@ class ClusterControl:
     requests_resumed: int = 0
     requests_lost: int = 0
     events: list[Event] = field(default_factory=list)
+    # The last re-plan's phases in seconds (probe, restart, place, load, start, ...), for `status`.
+    last_replan: dict[str, float] = field(default_factory=dict)
     changed: threading.Condition = field(default_factory=threading.Condition)
     # A re-plan the operator asked for lets running requests finish first: the scheduler starts no
     # new ones while `draining`, and sets `drained` once nothing runs.
@@ -88,10 +90,13 @@ class ClusterControl:
             for reason in reasons:
                 self._note(f"lost {reason}")
 
-    def settle(self, state: str, message: str, capacity_blocks: int | None = None) -> None:
-        """The end of a re-plan: serving on a new plan, or unavailable with the reason."""
+    def settle(self, state: str, message: str, capacity_blocks: int | None = None,
+               seconds: dict[str, float] | None = None) -> None:
+        """The end of a re-plan: serving on a new plan, or unavailable with the reason; `seconds`:
+        where the re-plan's time went."""
         with self.changed:
             self.state = state
+            self.last_replan = dict(seconds or {})
             self.reason = "" if state == "serving" else message
             if state == "serving":
                 self.generation += 1
@@ -123,6 +128,7 @@ class ClusterControl:
                 "stage_losses": self.stage_losses, "requests_held": self.requests_held,
                 "requests_resumed": self.requests_resumed, "requests_lost": self.requests_lost,
                 "events": [{"time": e.time, "message": e.message} for e in self.events],
+                "last_replan": dict(self.last_replan),
             }
 
     def note(self, message: str) -> None:

@@ -411,9 +411,13 @@ class ClusterExecutor(Executor):
 
     def _heal(self, reason: str, extra: tuple[str, ...]) -> None:
         clock = [time.monotonic()]
-        candidates = [self._stage(a) for a in dict.fromkeys([*self.addresses, *extra])]
+        # The stages heartbeats found silent are lost already: probing them again would only wait.
+        silent_known = self.monitor.lost_silent() if self.monitor is not None else set()
+        candidates = [self._stage(a) for a in dict.fromkeys([*self.addresses, *extra]) if a not in silent_known]
         # Short: a live worker answers health at once, even mid-step (it does not wait for MLX).
         alive, lost = replan.answering(candidates, timeout_s=min(2.0, self.stage_timeout_s))
+        lost += [f"stage {a}: silent for the stage timeout ({self.stage_timeout_s:g}s)" for a in sorted(silent_known)]
+        candidates += [self._stage(a) for a in sorted(silent_known)]
         for why in lost:
             log.warning("cluster: left out of the new plan: %s", why)
         silent = [s for s in candidates if s not in alive]
@@ -426,7 +430,9 @@ class ClusterExecutor(Executor):
             settings = self._settings()
             plan = replan.build(stages, healths, settings, say=lambda line: log.info("cluster: %s", line))
         except replan.ReplanError as e:
-            self._give_up(stages, e)
+            clock.append(time.monotonic())
+            self._give_up(stages, e, {"probe": clock[1] - clock[0], "restart": clock[2] - clock[1],
+                                      "place, load and start": clock[3] - clock[2], "total": clock[3] - clock[0]})
             return
         self.activation_peak = max(self.activation_peak,
                                    replan.measured_peak(plan.pipeline.stages, plan.assigned, settings.activation_known))
@@ -458,14 +464,14 @@ class ClusterExecutor(Executor):
                 stages.remove(stage)
                 stage.close()
 
-    def _give_up(self, stages: list, error: replan.ReplanError) -> None:
+    def _give_up(self, stages: list, error: replan.ReplanError, seconds: dict[str, float]) -> None:
         """Serve 503s that say why, with the idle stages kept for a `rebalance`."""
         self.addresses = [s.name for s in stages]
         message = (f"cannot serve {self.model_name} on the hosts that remain: {error}; start or fix a worker, "
                    "then run `metal-cluster rebalance`")
         log.error("cluster: %s", message)
         self.monitor.follow(Pipeline(stages), [(0, 0)] * len(stages), self.control.generation)
-        self.control.settle("unavailable", message)
+        self.control.settle("unavailable", message, seconds=seconds)
 
     def _adopt(self, plan: replan.Plan, clock: list[float]) -> None:
         with self.lock:
@@ -482,7 +488,8 @@ class ClusterExecutor(Executor):
                    f"{plan.num_blocks} KV blocks (probe {probe:.1f}s, worker restart {restart:.1f}s, "
                    f"load and start {load:.1f}s: {parts})")
         log.info("cluster: %s", message)
-        self.control.settle("serving", message, plan.num_blocks)
+        seconds = {"probe": probe, "restart": restart, **plan.seconds, "total": clock[-1] - clock[0]}
+        self.control.settle("serving", message, plan.num_blocks, seconds)
         self.monitor.follow(plan.pipeline, plan.ranges, self.control.generation)
         self.monitor.poll()  # `status` shows the new plan now, not at the next heartbeat
 

@@ -9,9 +9,11 @@ NO_OVERLAP_ENV = "METAL_CLUSTER_NO_OVERLAP"
 # Layer ranges of the stages, "start-end,start-end,...", from placement; unset = an even split.
 LAYERS_ENV = "METAL_CLUSTER_LAYERS"
 
-# Seconds a stage may miss heartbeats before it counts as lost (and the cluster re-plans).
+# Seconds a stage may miss heartbeats before it counts as lost (and the cluster re-plans). Heartbeats
+# go out ten times a second, so a frozen stage is seen within a second; a freeze of half a second
+# (or a loaded host answering late) is not a loss.
 STAGE_TIMEOUT_ENV = "METAL_CLUSTER_STAGE_TIMEOUT"
-DEFAULT_STAGE_TIMEOUT_S = 15.0
+DEFAULT_STAGE_TIMEOUT_S = 0.75
 
 # Seconds a request running when a stage was lost may wait for the new plan before it ends with a
 # retryable error (it resumes where it stopped if the new plan serves sooner).

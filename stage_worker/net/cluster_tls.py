@@ -115,9 +115,11 @@ def server_credentials(token: str, common_name: str) -> grpc.ServerCredentials:
     return grpc.ssl_server_credentials([(me.key, me.cert)], root_certificates=me.ca, require_client_auth=True)
 
 
-def add_port(server: grpc.Server, address: str, token: str, common_name: str) -> int:
-    """Listen on `address` with the cluster's TLS; the port bound (0: not bound), as add_secure_port."""
-    return server.add_secure_port(address, server_credentials(token, common_name))
+def add_port(server: grpc.Server, address: str, token: str, common_name: str,
+             credentials: grpc.ServerCredentials | None = None) -> int:
+    """Listen on `address` with the cluster's TLS (`credentials`: made beforehand by
+    server_credentials); the port bound (0: not bound), as add_secure_port."""
+    return server.add_secure_port(address, credentials or server_credentials(token, common_name))
 
 
 def channel(address: str, token: str, options=(), common_name: str = "coordinator") -> grpc.Channel:

@@ -99,7 +99,12 @@ class StageService(pb_grpc.StageServicer):
     def Health(self, req):
         if req.heartbeat:
             self.host.touch()
-        return self.host.health()
+        health = self.host.health()
+        if self.reset.reason is not None:
+            # Between a Reset and this process going away it is not idle, whatever its host says: a
+            # coordinator that took "idle" from here would assign layers to a process about to exit.
+            health.state = "resetting"
+        return health
 
     @_rpc
     def LoRAAdd(self, req):

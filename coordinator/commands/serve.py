@@ -58,12 +58,6 @@ def run(argv: list[str], stage_addresses: list[str] | None = None, run_dir=None,
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
-    if sys.platform == "linux":
-        # vLLM's CLI would spawn EngineCore, a fresh interpreter that imports torch and vLLM again
-        # (5-7 s of a 2-core machine's start). A fork inherits them. It is safe here because this
-        # process never sets up MLX (cli._mlx_on_cpu) or torch's accelerators before it; macOS keeps
-        # vLLM's spawn, since Apple's system frameworks are not fork-safe.
-        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "fork")
 
     import uvloop
     from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args

@@ -496,24 +496,33 @@ def token():
 @app.command()
 def doctor(
     ctx: typer.Context,
+    role: str = typer.Option("serve", "--for", help="What this host is for: serve (one machine, the default), "
+                                                   "up (the coordinator of a cluster) or worker."),
     interface: str = typer.Option(None, "--interface", help="Interface name or IPv4 address to check (as `up` and "
                                                             "`worker` would use it). Default: loopback."),
     host: str = typer.Option("127.0.0.1", help="Address the ports are checked on."),
     port: int = typer.Option(8000, help="The OpenAI API's port (serve, up)."),
     worker_port: int = typer.Option(7760, help="A worker's gRPC port; its ring port is the next one."),
-    mdns: bool = typer.Option(True, help="Check that an mDNS announcement on the interface is seen there."),
+    mdns: bool = typer.Option(True, help="Check that an mDNS announcement on the interface is seen there "
+                                         "(up and worker)."),
 ):
     """Check what this host needs (Python, MLX, OpenBLAS, token file, config, ports, interface, mDNS):
-    one line per check, with the fix when it fails; exits 1 when one fails."""
+    one line per check, with the fix when it fails; exits 1 when one fails. A missing token file is a
+    warning for serve and a failure for up and worker."""
     from metal_cluster.coordinator.commands import doctor as checks
 
-    ports = [("API", port, "--port"), ("worker gRPC", worker_port, "worker --port"),
-             ("worker ring", worker_port + 1, "worker --ring-port")]
-    results = checks.run(ctx.find_root().params.get("config_file"), host, ports, interface, mdns)
+    if role not in checks.ROLES:
+        fail(f"--for {role}: not a role; use one of {', '.join(checks.ROLES)}")
+    api = [("API", port, "--port")]
+    workers = [("worker gRPC", worker_port, "worker --port"), ("worker ring", worker_port + 1, "worker --ring-port")]
+    ports = {"serve": api, "up": api + workers, "worker": workers}[role]
+    results = checks.run(role, ctx.find_root().params.get("config_file"), host, ports, interface, mdns)
     for check in results:
         typer.echo(check.line())
     failed = [c for c in results if not c.ok]
-    typer.echo(f"{len(results) - len(failed)} of {len(results)} checks passed")
+    warned = sum(c.warning for c in results)
+    typer.echo(f"{len(results) - len(failed)} of {len(results)} checks passed"
+               + (f" ({warned} with a warning)" if warned else "") + f", for {role}")
     if failed:
         raise typer.Exit(1)
 

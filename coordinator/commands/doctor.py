@@ -12,16 +12,22 @@ from dataclasses import dataclass
 PROBE_TYPE = "_mc-doctor._tcp.local."
 
 
+# What a host is checked for: `serve` alone needs no token, mDNS or worker ports; `up` and `worker` do.
+ROLES = ("serve", "up", "worker")
+
+
 @dataclass
 class Check:
     name: str
     ok: bool
     detail: str
     fix: str = ""
+    warning: bool = False  # passes, but names what a cluster role would need
 
     def line(self) -> str:
-        text = f"{'ok  ' if self.ok else 'FAIL'} {self.name}: {self.detail}"
-        return text if self.ok or not self.fix else f"{text} -> {self.fix}"
+        mark = "warn" if self.warning else "ok  " if self.ok else "FAIL"
+        text = f"{mark} {self.name}: {self.detail}"
+        return text if (self.ok and not self.warning) or not self.fix else f"{text} -> {self.fix}"
 
 
 def python_version() -> Check:
@@ -60,15 +66,18 @@ def openblas() -> Check | None:
                  "apt-get install libopenblas0-pthread")
 
 
-def token_file() -> Check:
+def token_file(role: str = "up") -> Check:
     from metal_cluster.stage_worker.net.auth import TOKEN_ENV, token_file as path_of
 
     path = path_of()
     if not path.is_file():
         if os.environ.get(TOKEN_ENV):
             return Check("token", True, f"from ${TOKEN_ENV} (no token file at {path})")
-        return Check("token", False, f"no token file at {path}",
-                     "run `metal-cluster token` on one host and copy the file to the others (mode 600)")
+        fix = "run `metal-cluster token` on one host and copy the file to the others (mode 600)"
+        if role == "serve":
+            return Check("token", True, f"no token file at {path}: serve needs none, up and worker do",
+                         fix, warning=True)
+        return Check("token", False, f"no token file at {path}", fix)
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & 0o077:
         return Check("token", False, f"{path} is readable by others (mode {mode:03o})", f"chmod 600 {path}")
@@ -147,12 +156,13 @@ def mdns_visible(ip: str, timeout_s: float = 3.0) -> Check:
                  "allow UDP 5353 multicast (firewall, Wi-Fi client isolation), or use --peers host:port")
 
 
-def run(config_path: str | None, host: str, ports: list[tuple[str, int, str]], iface: str | None,
-        mdns: bool) -> list[Check]:
-    checks = [python_version(), mlx_backend(), openblas(), token_file(), config_file(config_path)]
+def run(role: str, config_path: str | None, host: str, ports: list[tuple[str, int, str]],
+        iface: str | None, mdns: bool) -> list[Check]:
+    """`ports` are the ones `role` listens on; serve alone never announces, so it skips mDNS."""
+    checks = [python_version(), mlx_backend(), openblas(), token_file(role), config_file(config_path)]
     checks += [port_free(name, host, port, flag) for name, port, flag in ports]
     iface_check, ip = interface(iface)
     checks.append(iface_check)
-    if mdns and ip:
+    if mdns and ip and role != "serve":
         checks.append(mdns_visible(ip))
     return [c for c in checks if c is not None]

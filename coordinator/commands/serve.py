@@ -66,9 +66,15 @@ def run(argv: list[str], stage_addresses: list[str] | None = None, run_dir=None,
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    from metal_cluster.coordinator.engine import vllm_options
+
     cli_env_setup()
     parser = make_arg_parser(FlexibleArgumentParser(prog="metal-cluster serve"))
     args = parser.parse_args(argv)
+    refused = vllm_options.refusal(parser, args)
+    if refused:
+        print(f"metal-cluster: error: {refused}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     configure_logging_from_args(args)
     validate_parsed_serve_args(args)
     if args.enable_lora:

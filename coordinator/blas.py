@@ -26,6 +26,17 @@ GEMV_OPT_OUT = "METAL_CLUSTER_NO_GEMV_FORWARD"  # OpenBLAS's own GEMM for one-ro
 GEMV_SOURCE = Path(__file__).with_name("gemv_forward.c")
 
 
+def mlx_on_cpu() -> bool:
+    """Whether this host's MLX runs on the CPU, found without importing MLX (a Metal or CUDA
+    context must not be set up in a process vLLM may fork its engine from)."""
+    import importlib.metadata
+
+    if sys.platform == "darwin":
+        return False  # the plain mlx wheel carries Metal
+    names = {(d.metadata["Name"] or "").lower() for d in importlib.metadata.distributions()}
+    return not any(n.startswith("mlx-cuda") or n.startswith("mlx_cuda") for n in names)
+
+
 def find_openblas() -> str | None:
     if not sys.platform.startswith("linux") or os.environ.get(OPT_OUT):
         return None

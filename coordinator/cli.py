@@ -207,20 +207,9 @@ CPU_MAX_NUM_SEQS = 8
 def _backend_defaults(extra: list[str]) -> list[str]:
     from metal_cluster.coordinator.commands.serve import has_flag
 
-    if _mlx_on_cpu() and not has_flag(extra, "--max-num-seqs"):
+    if blas.mlx_on_cpu() and not has_flag(extra, "--max-num-seqs"):
         return ["--max-num-seqs", str(CPU_MAX_NUM_SEQS), *extra]
     return extra
-
-
-def _mlx_on_cpu() -> bool:
-    """Whether this host's MLX runs on the CPU, without importing MLX: vLLM forks its engine from
-    this process, and a Metal or CUDA context must not be set up before a fork."""
-    import importlib.metadata
-
-    if sys.platform == "darwin":
-        return False  # the plain mlx wheel carries Metal
-    names = {(d.metadata["Name"] or "").lower() for d in importlib.metadata.distributions()}
-    return not any(n.startswith("mlx-cuda") or n.startswith("mlx_cuda") for n in names)
 
 
 def _set_stage_timeout(seconds: float, resume_s: float) -> None:

@@ -111,6 +111,7 @@ def test_first_answer_within_the_limit(default_server):
     log = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", log_path.read_bytes().decode(errors="replace"))  # the terminal's colours
     where = [line.split("] ", 1)[-1] for line in log.splitlines() if "start: load" in line]
     assert len(where) == 1 and "warm-up" in where[0] and "KV" in where[0], log[-3000:]
+    assert where[0].endswith("; EngineCore forked" if sys.platform == "linux" else "; EngineCore spawned")
     print(f"serve -> first answer: {first:.1f} s; {where[0].split('start: ', 1)[1]}")
     assert first <= FIRST_ANSWER_LIMIT_S, f"first answer after {first:.1f} s (limit {FIRST_ANSWER_LIMIT_S} s): {where[0]}"
 

@@ -30,9 +30,12 @@ LIMITS = ["--max-request-body-bytes", str(MAX_BODY), "--max-waiting-requests", s
 LORA = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
 
 
+TINY_LOG_DIR = "serve-tiny-with-adapters"
+
+
 @pytest.fixture(scope="module")
 def tiny_server(llama_model, llama_adapters, tmp_path_factory):
-    log = tmp_path_factory.mktemp("serve") / "server.log"
+    log = tmp_path_factory.mktemp(TINY_LOG_DIR) / "server.log"
     with pytest.MonkeyPatch.context() as env:
         env.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")  # vLLM's gate for /v1/load_lora_adapter
         with running_server(llama_model, *COMMON, *LIMITS, *LORA, "--lora-modules", f"alpha={llama_adapters['alpha']}",
@@ -51,6 +54,13 @@ def test_models_and_health(client, tiny_server):
     assert list(models)[:2] == ["tiny", "alpha"] and models["alpha"].parent == "tiny"
     with urllib.request.urlopen(f"{tiny_server}/metrics", timeout=10) as r:
         assert b"vllm:num_requests_running" in r.read()
+
+
+def test_a_server_that_read_adapters_at_start_spawned_its_engine(tiny_server, tmp_path_factory):
+    """--lora-modules are read with MLX in the API server's process, after which a forked
+    EngineCore would wait forever for its weights (serve._choose_engine_start)."""
+    log = next(tmp_path_factory.getbasetemp().glob(f"{TINY_LOG_DIR}*/server.log")).read_text()
+    assert [line for line in log.splitlines() if "start: load" in line][0].endswith("; EngineCore spawned")
 
 
 def test_greedy_completion_matches_mlx_lm(client, llama_model):
@@ -353,7 +363,8 @@ def assert_plain_start_progress(log: str) -> None:
     phases = [line.split(" (")[0] for line in lines if not line.startswith("stage local: layers")]
     assert phases == ["stage local: loading weights", "stage local: warming up",
                       "stage local: allocating the KV pool"], lines
-    assert len([line for line in log.splitlines() if "start: load" in line]) == 1
+    starts = [line for line in log.splitlines() if "start: load" in line]
+    assert len(starts) == 1 and starts[0].endswith("; EngineCore forked" if sys.platform == "linux" else "spawned")
 
 
 def test_budget_too_small_fails_at_start_with_the_numbers(tmp_path):

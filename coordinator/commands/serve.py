@@ -58,6 +58,7 @@ def run(argv: list[str], stage_addresses: list[str] | None = None, run_dir=None,
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
+    start_given = "VLLM_WORKER_MULTIPROC_METHOD" in os.environ  # before vLLM's CLI set-up sets it
 
     import uvloop
     from vllm.entrypoints.common.cli_args import make_arg_parser, validate_parsed_serve_args
@@ -79,10 +80,30 @@ def run(argv: list[str], stage_addresses: list[str] | None = None, run_dir=None,
     validate_parsed_serve_args(args)
     if args.enable_lora:
         _check_lora_modules(args)
+    if not start_given:
+        _choose_engine_start(in_process_stage=not stage_addresses,
+                             read_adapters_here=bool(args.enable_lora and args.lora_modules))
     if args.api_key:  # the dashboard route asks for the same key as the API
         os.environ[API_KEYS_ENV] = "\n".join(args.api_key if isinstance(args.api_key, list) else [args.api_key])
     _announce_when_ready(args)
     uvloop.run(run_server(args))
+
+
+def _choose_engine_start(in_process_stage: bool, read_adapters_here: bool) -> None:
+    """How vLLM starts EngineCore where the environment did not say (vLLM's CLI would spawn).
+
+    A fork inherits torch and vLLM instead of importing them again (4-6 s of a 2-core machine's
+    start). It is taken only where it is known to be safe: MLX on the CPU (Metal and CUDA contexts
+    are not fork-safe), a single stage that runs inside EngineCore (with stage workers this process
+    has already spoken gRPC, which is not fork-safe either), and no MLX evaluation here. A fork
+    copies MLX's scheduler without the threads that serve it, so after one the child's first
+    evaluation, loading its weights, waits forever. Checking --lora-modules evaluates the adapters
+    in MLX; nothing else this process does before the engine starts does (importing MLX and
+    mlx-lm, or turning a GGUF file into a folder, starts none of those threads)."""
+    from metal_cluster.coordinator import blas
+
+    fork = in_process_stage and not read_adapters_here and blas.mlx_on_cpu()
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork" if fork else "spawn"
 
 
 def _check_lora_modules(args) -> None:

@@ -28,4 +28,6 @@ def line(assigned, started, kv_bytes: int) -> str:
     total = since_start()
     if total is not None:
         text += f"; imports and vLLM set-up {max(0.0, total - load - warm_up - kv):.1f} s; {total:.1f} s since the command"
-    return text
+    # serve.py's choice, which EngineCore inherits: a forked one did not import torch and vLLM again
+    method = os.environ.get("VLLM_WORKER_MULTIPROC_METHOD")
+    return f"{text}; EngineCore {'forked' if method == 'fork' else 'spawned'}"

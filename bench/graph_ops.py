@@ -141,14 +141,15 @@ def counting(counts: Counts):
         qwen3_next.gated_delta = real_recurrence
 
 
-def build_host(folder: Path, num_blocks: int = 64):
+def build_host(folder: Path, num_blocks: int = 64, max_num_batched_tokens: int = 512):
     """A stage of all the folder's layers, built as `serve` builds one (assign, then start)."""
     from metal_cluster.stage_worker.host import StageHost
 
     layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
     host = StageHost()
     host.assign(pb.AssignRequest(version=PROTO_VERSION, model=str(folder), layer_start=0, layer_end=layers,
-                                 block_size=BLOCK_SIZE, max_num_batched_tokens=512, memory_utilization=0.5))
+                                 block_size=BLOCK_SIZE, max_num_batched_tokens=max_num_batched_tokens,
+                                 memory_utilization=0.5))
     host.start(pb.StartRequest(version=PROTO_VERSION, num_blocks=num_blocks, rank=0, world_size=1))
     return host
 

@@ -1,12 +1,12 @@
 """What a new request's prompt costs one stage, beside mlx-lm's own prefill of the same tokens.
 
-The stage is built as `serve` builds it (StageHost assign + start from a model folder, the
-default model unless given). Timed, median of --repeats:
+The stage is built as `serve` builds it (StageHost assign + start from a model folder: the
+default model as float32 safetensors unless one is given, so that mlx-lm loads the same weights). Timed, median of --repeats:
 - `alone`: one step that prefills a --prompt-len prompt in one chunk (what a quiet server does);
 - `with N decodes`: the same prompt in a step that also decodes N running requests (what vLLM's
   chunked prefill schedules when a request arrives at concurrency N + 1);
 - `N decodes`: those decodes alone (the part of the mixed step a prefill does not cause);
-- `mlx-lm`: mlx-lm's model over the same prompt into its own KV cache, then the argmax (what
+- `mlx-lm`: mlx-lm's model (the same folder) over the same prompt into its own KV cache, then the argmax (what
   mlx_lm.server's prefill runs).
 
   .venv/bin/python bench/prefill_profile.py [FOLDER] [--prompt-len 1024] [--decodes 7] [--repeats 5]
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-import mlx.core as mx
+import mlx.core as mx  # noqa: E402 (imported again after the re-exec below; cheap)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,9 +34,11 @@ def stage_times(folder: Path, prompt_len: int, decodes: int, repeats: int) -> di
     host = graph_ops.build_host(folder, num_blocks=decodes * 8 + 2 * blocks_per_prompt + 16,
                                 max_num_batched_tokens=prompt_len + decodes)
     last = {"s": 0.0}
+    next_id = [host.next_step]  # a stage runs step ids strictly in order
 
     def step_fn(step):
-        step.step_id = host.next_step
+        step.step_id = next_id[0]
+        next_id[0] += 1
         t0 = time.perf_counter()
         response = host.launch(step)()
         last["s"] = time.perf_counter() - t0
@@ -48,8 +50,8 @@ def stage_times(folder: Path, prompt_len: int, decodes: int, repeats: int) -> di
     for r in range(repeats + 1):  # the first round warms up (compiles) and is dropped
         sched.add(f"a{r}", prompt, 1)  # alone: nothing else runs
         sched.step()
-        sched.step()  # tells the stage it finished
         alone.append(last["s"])
+        sched.step()  # tells the stage it finished
         for k in range(decodes):
             sched.add(f"d{r}.{k}", prompt[:32], 1 << 20)
         for _ in range(3):
@@ -88,6 +90,13 @@ def mlx_lm_time(folder: Path, prompt_len: int, repeats: int) -> float:
 
 
 def main():
+    import os
+
+    from metal_cluster.coordinator.blas import openblas_env
+
+    env = openblas_env()
+    if env.get("LD_PRELOAD") != os.environ.get("LD_PRELOAD"):  # as `serve` runs: OpenBLAS preloaded
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("folder", nargs="?", type=Path)
     p.add_argument("--prompt-len", type=int, default=1024)
@@ -95,10 +104,14 @@ def main():
     p.add_argument("--repeats", type=int, default=5)
     args = p.parse_args()
     folder = args.folder
-    if folder is None:
+    if folder is None:  # the default model's GGUF as float32 safetensors, which mlx-lm loads too
+        import tempfile
+
+        from serve_vs_mlx_lm import mlx_lm_folder
+
         from metal_cluster.stage_worker.model.model_source import resolve_model
 
-        folder = resolve_model(None).folder
+        folder = mlx_lm_folder(resolve_model(None), Path(tempfile.gettempdir()) / "bench-prefill")
     print(f"device: {mx.default_device()}; {folder.name}; prompt {args.prompt_len} tokens; median of {args.repeats}")
     ours = stage_times(folder, args.prompt_len, args.decodes, args.repeats)
     mx.clear_cache()

@@ -8,13 +8,14 @@ too with --mlx-lm-gemv-forward. The chat API, because mlx_lm.server refuses the 
 vLLM's client sends ("logprobs": null).
 
   .venv/bin/python bench/vllm_bench_vs_mlx_lm.py [--concurrency 1 4] [--input-len 256] [--output-len 64]
-      [--mlx-lm-gemv-forward]
+      [--rounds 2] [--stages 2] [--serve-arg=--max-num-batched-tokens=1024] [--mlx-lm-gemv-forward]
 """
 
 import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,6 +56,12 @@ def main():
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--prompts-per-slot", type=int, default=4, help="prompts per unit of concurrency")
     p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure each server this many times per concurrency, alternating which goes first "
+                        "(A B, B A, ...); the medians over rounds are reported")
+    p.add_argument("--stages", type=int, default=1, help="our server's pipeline stages (-pp)")
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="one more argument for our server (repeat it), e.g. --serve-arg=--max-num-batched-tokens=1024")
     p.add_argument("--mlx-lm-gemv-forward", action="store_true",
                    help="run mlx_lm.server behind our one-row GEMM forwarding too (coordinator/gemv_forward.c), "
                         "not on OpenBLAS alone")
@@ -66,14 +73,21 @@ def main():
     results = {}
     mlx_proc, mlx_url = start_mlx_lm(folder, work / "mlx_lm.log", args.mlx_lm_gemv_forward)
     try:
-        with running_server(None, "--max-model-len", "2048", "--max-num-seqs", "32", log_path=work / "ours.log",
-                            timeout=600) as ours_url:
+        pp = ["-pp", str(args.stages)] if args.stages > 1 else []
+        with running_server(None, "--max-model-len", "2048", "--max-num-seqs", "32", *pp, *args.serve_arg,
+                            log_path=work / "ours.log", timeout=600) as ours_url:
             servers = {"metal-cluster": (ours_url, "SmolLM2-135M-Instruct"), "mlx_lm.server": (mlx_url, str(folder))}
             for c in args.concurrency:
-                for name, (url, model) in servers.items():
-                    r = vllm_bench(url, model, folder, c, args, work / f"{name}-c{c}.json")
-                    results[f"{name}/c{c}"] = {m: r.get(m) for m in METRICS}
-                    print(f"{name:14s} c={c:<3d} " + "  ".join(f"{m} {r.get(m, 0):.1f}" for m in METRICS), flush=True)
+                runs = {name: [] for name in servers}
+                for k in range(args.rounds):
+                    for name in (list(servers) if k % 2 == 0 else list(servers)[::-1]):
+                        url, model = servers[name]
+                        r = vllm_bench(url, model, folder, c, args, work / f"{name}-c{c}-r{k}.json")
+                        runs[name].append(r)
+                        print(f"{name:14s} c={c:<3d} round {k + 1} " + "  ".join(f"{m} {r.get(m, 0):.1f}" for m in METRICS),
+                              flush=True)
+                for name, rs in runs.items():
+                    results[f"{name}/c{c}"] = {m: statistics.median(r.get(m) or 0.0 for r in rs) for m in METRICS}
     finally:
         os.killpg(mlx_proc.pid, 9)
     print(f"\nmachine: {platform.machine()}, {os.cpu_count()} cores, {platform.platform()}")

@@ -92,8 +92,8 @@ def run(argv: list[str], stage_addresses: list[str] | None = None, run_dir=None,
 def _choose_engine_start(in_process_stage: bool, read_adapters_here: bool) -> None:
     """How vLLM starts EngineCore where the environment did not say (vLLM's CLI would spawn).
 
-    A fork inherits torch and vLLM instead of importing them again (4-6 s of a 2-core machine's
-    start). It is taken only where it is known to be safe: MLX on the CPU (Metal and CUDA contexts
+    A fork inherits torch and vLLM instead of importing them again (the default model's first
+    answer: 14 s against 25 s spawned on two cores; bench/README.md). It is taken only where it is known to be safe: MLX on the CPU (Metal and CUDA contexts
     are not fork-safe), a single stage that runs inside EngineCore (with stage workers this process
     has already spoken gRPC, which is not fork-safe either), and no MLX evaluation here. A fork
     copies MLX's scheduler without the threads that serve it, so after one the child's first

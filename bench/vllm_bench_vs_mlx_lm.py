@@ -34,15 +34,19 @@ from metal_cluster.stage_worker.model.model_source import resolve_model  # noqa:
 METRICS = ("median_ttft_ms", "median_tpot_ms", "median_itl_ms", "output_throughput")
 
 
-def vllm_bench(url: str, model: str, tokenizer: Path, concurrency: int, args, out: Path) -> dict:
-    """One `vllm bench serve` run; its JSON result (written to `out`)."""
+def vllm_bench(url: str, model: str, tokenizer: Path, concurrency: int, args, out: Path, seed: int = 0,
+               num_prompts: int | None = None) -> dict:
+    """One `vllm bench serve` run; its JSON result (written to `out`). No warm-up request: vLLM's
+    would send the run's first prompt, a prefix-cache hit for it on both servers (main warms each
+    server up with other prompts instead); `seed` picks the random prompts."""
     name = out.name
     cmd = [str(Path(sys.executable).parent / "vllm"), "bench", "serve", "--backend", "openai-chat", "--base-url", url,
            "--endpoint", "/v1/chat/completions", "--model", model, "--tokenizer", str(tokenizer),
            "--dataset-name", "random", "--random-input-len", str(args.input_len),
-           "--random-output-len", str(args.output_len), "--num-prompts", str(args.prompts_per_slot * concurrency),
-           "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--seed", "0",
-           "--num-warmups", "1", "--save-result", "--result-dir", str(out.parent), "--result-filename", name,
+           "--random-output-len", str(args.output_len),
+           "--num-prompts", str(num_prompts or args.prompts_per_slot * concurrency),
+           "--max-concurrency", str(concurrency), "--ignore-eos", "--temperature", "0", "--seed", str(seed),
+           "--num-warmups", "0", "--save-result", "--result-dir", str(out.parent), "--result-filename", name,
            "--disable-tqdm"]
     env = {**openblas_env(), "HF_HUB_OFFLINE": "1"}
     subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL, timeout=1800)
@@ -77,12 +81,15 @@ def main():
         with running_server(None, "--max-model-len", "2048", "--max-num-seqs", "32", *pp, *args.serve_arg,
                             log_path=work / "ours.log", timeout=600) as ours_url:
             servers = {"metal-cluster": (ours_url, "SmolLM2-135M-Instruct"), "mlx_lm.server": (mlx_url, str(folder))}
+            for name, (url, model) in servers.items():  # prompts no measured run sends
+                vllm_bench(url, model, folder, 2, args, work / f"{name}-warm-up.json", seed=10_000, num_prompts=2)
             for c in args.concurrency:
                 runs = {name: [] for name in servers}
                 for k in range(args.rounds):
                     for name in (list(servers) if k % 2 == 0 else list(servers)[::-1]):
                         url, model = servers[name]
-                        r = vllm_bench(url, model, folder, c, args, work / f"{name}-c{c}-r{k}.json")
+                        # A round's prompts are new to both servers: no prefix-cache hits across rounds.
+                        r = vllm_bench(url, model, folder, c, args, work / f"{name}-c{c}-r{k}.json", seed=1 + k)
                         runs[name].append(r)
                         print(f"{name:14s} c={c:<3d} round {k + 1} " + "  ".join(f"{m} {r.get(m, 0):.1f}" for m in METRICS),
                               flush=True)
